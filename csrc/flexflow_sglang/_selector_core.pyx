@@ -1,0 +1,263 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compiled scoring core of the flexFlow path selector.
+
+One PairCore per (src, dst) pair holds that pair's candidate paths as flat typed arrays plus
+views of the topology-wide link arrays (capacity, QoS threshold) and of the NodeAgent's live
+link state (utilisation, queue delay), which the agent updates in place: reading them never
+takes a lock. `select()` scores every candidate, filters by QoS, applies the relay and split
+margins and returns a plain tuple that Python wraps into a PathDecision.
+
+Keep in lock-step with flexflow_sglang/selector/_core_py.py (same operations, same order).
+"""
+
+from libc.stdlib cimport malloc, free
+
+cdef double MIN_AVAIL_FRAC = 0.01
+cdef double TTFT_HOP_FACTOR = 4.0
+cdef double TTFT_LAT_FACTOR = 2.0
+cdef int SPLIT_TOP = 8
+cdef int MAX_SPLIT_CAP = 8
+
+
+cdef class PairCore:
+    def __cinit__(self, int[::1] ptype, int[::1] ptr, int[::1] plinks, double[::1] fixed_lat,
+                  int[::1] nrelay, double[::1] extra_hops, unsigned char[::1] disjoint,
+                  double[::1] cap, double[::1] thr, double[::1] util, double[::1] qdelay,
+                  double[::1] params):
+        cdef int n = ptype.shape[0]
+        if ptr.shape[0] != n + 1 or fixed_lat.shape[0] != n or nrelay.shape[0] != n \
+                or extra_hops.shape[0] != n or disjoint.shape[0] != n * n:
+            raise ValueError("PairCore: inconsistent candidate array sizes")
+        if cap.shape[0] != thr.shape[0] or util.shape[0] != cap.shape[0] or qdelay.shape[0] != cap.shape[0]:
+            raise ValueError("PairCore: inconsistent link array sizes")
+        if params.shape[0] != P_NPARAMS:
+            raise ValueError("PairCore: params must have %d entries" % P_NPARAMS)
+        self.n_paths = n
+        self.ptype, self.ptr, self.plinks = ptype, ptr, plinks
+        self.fixed_lat, self.nrelay, self.extra_hops, self.disjoint = fixed_lat, nrelay, extra_hops, disjoint
+        self.cap, self.thr, self.util, self.qdelay, self.params = cap, thr, util, qdelay, params
+        cdef int m = n if n > 0 else 1
+        self.s_bw = <double*>malloc(m * sizeof(double))
+        self.s_cost = <double*>malloc(m * sizeof(double))
+        self.s_est = <double*>malloc(m * sizeof(double))
+        self.s_tl = <double*>malloc(m * sizeof(double))
+        self.s_q = <double*>malloc(m * sizeof(double))
+        self.s_risk = <double*>malloc(m * sizeof(double))
+        self.s_rej = <int*>malloc(m * sizeof(int))
+        self.s_worst = <int*>malloc(m * sizeof(int))
+        self.s_order = <int*>malloc(m * sizeof(int))
+        self.s_sel = <int*>malloc(MAX_SPLIT_CAP * sizeof(int))
+        if not (self.s_bw and self.s_cost and self.s_est and self.s_tl and self.s_q and self.s_risk
+                and self.s_rej and self.s_worst and self.s_order and self.s_sel):
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.s_bw); free(self.s_cost); free(self.s_est); free(self.s_tl); free(self.s_q)
+        free(self.s_risk); free(self.s_rej); free(self.s_worst); free(self.s_order); free(self.s_sel)
+
+    def set_params(self, double[::1] params):
+        if params.shape[0] != P_NPARAMS:
+            raise ValueError("PairCore: params must have %d entries" % P_NPARAMS)
+        self.params = params
+
+    cdef void _score(self, double nbytes, bint ttft) noexcept nogil:
+        cdef int p, k, l, worst
+        cdef double bw, a, fl, u, r, risk, q, worst_ex, ex, t_x, t_l, hopf, wl, chunk
+        cdef double w_bw = self.params[P_W_BW], w_q = self.params[P_W_Q], w_hops = self.params[P_W_HOPS]
+        cdef double w_qos = self.params[P_W_QOS], w_lat = self.params[P_W_LAT]
+        cdef double relay_chunk = self.params[P_RELAY_CHUNK], relay_ovh = self.params[P_RELAY_OVERHEAD_US]
+        chunk = nbytes if nbytes < relay_chunk else relay_chunk
+        hopf = TTFT_HOP_FACTOR if ttft else 1.0
+        wl = w_lat * (TTFT_LAT_FACTOR if ttft else 1.0)
+        for p in range(self.n_paths):
+            bw = 1e300
+            risk = 0.0
+            q = 0.0
+            worst = -1
+            worst_ex = 0.0
+            self.s_rej[p] = 0
+            for k in range(self.ptr[p], self.ptr[p + 1]):
+                l = self.plinks[k]
+                u = self.util[l]
+                if u < 0.0:
+                    u = 0.0
+                if u > 1.0:
+                    u = 1.0
+                a = self.cap[l] * (1.0 - u)
+                fl = self.cap[l] * MIN_AVAIL_FRAC
+                if a < fl:
+                    a = fl
+                if a < bw:
+                    bw = a
+                r = u / self.thr[l]
+                if r > risk:
+                    risk = r
+                if u > self.thr[l]:
+                    self.s_rej[p] = 1
+                    ex = u - self.thr[l]
+                    if worst < 0 or ex > worst_ex:
+                        worst_ex = ex
+                        worst = l
+                q = q + self.qdelay[l]
+            if risk > 1.0:
+                risk = 1.0
+            t_x = nbytes / (bw * 1000.0)
+            t_l = self.fixed_lat[p] + self.nrelay[p] * (chunk / (bw * 1000.0) + relay_ovh)
+            self.s_bw[p] = bw
+            self.s_tl[p] = t_l
+            self.s_q[p] = q
+            self.s_risk[p] = risk
+            self.s_worst[p] = worst
+            self.s_est[p] = t_x + t_l + q
+            self.s_cost[p] = (w_bw * t_x + wl * t_l + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
+                * (1.0 + w_qos * risk)
+
+    cdef double _set_cost(self, int* sel, int n, double nbytes, bint ttft, double* est_out,
+                          double* bw_out) noexcept nogil:
+        cdef int i, p
+        cdef double bws = 0.0, tl = 0.0, q = 0.0, eh = 0.0, risk = 0.0, t_x, hopf, wl
+        for i in range(n):
+            p = sel[i]
+            bws = bws + self.s_bw[p]
+            if self.s_tl[p] > tl:
+                tl = self.s_tl[p]
+            if self.s_q[p] > q:
+                q = self.s_q[p]
+            if self.extra_hops[p] > eh:
+                eh = self.extra_hops[p]
+            if self.s_risk[p] > risk:
+                risk = self.s_risk[p]
+        hopf = TTFT_HOP_FACTOR if ttft else 1.0
+        wl = self.params[P_W_LAT] * (TTFT_LAT_FACTOR if ttft else 1.0)
+        t_x = nbytes / (bws * 1000.0)
+        est_out[0] = t_x + tl + q
+        bw_out[0] = bws
+        return (self.params[P_W_BW] * t_x + wl * tl + self.params[P_W_Q] * q) \
+            * (1.0 + self.params[P_W_HOPS] * eh * hopf) * (1.0 + self.params[P_W_QOS] * risk)
+
+    cdef bint _disjoint_with(self, int c, int* sel, int n) noexcept nogil:
+        cdef int i
+        for i in range(n):
+            if self.disjoint[c * self.n_paths + sel[i]] == 0:
+                return False
+        return True
+
+    def select(self, double nbytes, bint ttft):
+        """-> (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost)"""
+        cdef int n = self.n_paths, p, i, j, best_dir = -1, best_ok = -1, best_all = -1, choose
+        cdef int kind, reason = 0, aux_link = -1, aux_path = -1, qos_flag = 0, n_top = 0, nsel = 0
+        cdef int max_split, c, best_c, t
+        cdef double gain = 0.0, sgain = 0.0, cost, est, bw, c2, e2, b2, best_pair_cost, best_pair_est, best_pair_bw
+        cdef double cur_cost, cur_est, cur_bw, cand_cost, cand_est, cand_bw, best_bw
+        cdef int pair[8]
+        cdef int trial[8]
+        if n == 0:
+            return None
+        with nogil:
+            self._score(nbytes, ttft)
+            for p in range(n):
+                if best_all < 0 or self.s_cost[p] < self.s_cost[best_all]:
+                    best_all = p
+                if self.s_rej[p] == 0:
+                    if best_ok < 0 or self.s_cost[p] < self.s_cost[best_ok]:
+                        best_ok = p
+                    if self.ptype[p] == PT_DIRECT and (best_dir < 0 or self.s_cost[p] < self.s_cost[best_dir]):
+                        best_dir = p
+        if best_ok < 0:
+            choose = best_all
+            return (self.ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
+                    4, self.s_worst[choose], choose, 0.0, self.s_cost[choose])
+        choose = best_ok
+        if self.ptype[choose] != PT_DIRECT:
+            if best_dir >= 0:
+                gain = self.s_cost[best_dir] / self.s_cost[choose] - 1.0
+                if gain > self.params[P_RELAY_MARGIN]:
+                    reason = 1
+                else:
+                    reason = 5
+                    aux_path = choose
+                    choose = best_dir
+            else:
+                reason = 6 if self.ptype[choose] == PT_STORAGE_RELAY else 2
+                for p in range(n):
+                    if self.ptype[p] == PT_DIRECT:
+                        aux_link = self.s_worst[p]
+                        break
+        kind = self.ptype[choose]
+        cost = self.s_cost[choose]
+        est = self.s_est[choose]
+        bw = self.s_bw[choose]
+        max_split = <int>self.params[P_MAX_SPLIT]
+        if max_split > MAX_SPLIT_CAP:
+            max_split = MAX_SPLIT_CAP
+        if self.params[P_ENABLE_SPLIT] != 0.0 and max_split >= 2:
+            with nogil:
+                # feasible candidates by available bandwidth, widest first (ties: lower index)
+                for t in range(n):
+                    self.s_rej[t] = self.s_rej[t] * 2  # 0 = feasible & not yet ordered; 2 = infeasible
+                while n_top < SPLIT_TOP:
+                    best_c = -1
+                    best_bw = 0.0
+                    for p in range(n):
+                        if self.s_rej[p] == 0 and (best_c < 0 or self.s_bw[p] > best_bw):
+                            best_c = p
+                            best_bw = self.s_bw[p]
+                    if best_c < 0:
+                        break
+                    self.s_rej[best_c] = 1
+                    self.s_order[n_top] = best_c
+                    n_top += 1
+                best_pair_cost = -1.0
+                best_pair_est = 0.0
+                best_pair_bw = 0.0
+                for i in range(n_top):
+                    for j in range(i + 1, n_top):
+                        if self.disjoint[self.s_order[i] * n + self.s_order[j]] == 0:
+                            continue
+                        trial[0] = self.s_order[i]
+                        trial[1] = self.s_order[j]
+                        c2 = self._set_cost(trial, 2, nbytes, ttft, &e2, &b2)
+                        if best_pair_cost < 0.0 or c2 < best_pair_cost:
+                            best_pair_cost = c2
+                            best_pair_est = e2
+                            best_pair_bw = b2
+                            pair[0] = trial[0]
+                            pair[1] = trial[1]
+                if best_pair_cost >= 0.0:
+                    nsel = 2
+                    cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
+                    while nsel < max_split:
+                        best_c = -1
+                        for i in range(n_top):
+                            c = self.s_order[i]
+                            if not self._disjoint_with(c, pair, nsel):
+                                continue
+                            pair[nsel] = c
+                            cand_cost = self._set_cost(pair, nsel + 1, nbytes, ttft, &cand_est, &cand_bw)
+                            if cand_cost < cur_cost:
+                                cur_cost, cur_est, cur_bw = cand_cost, cand_est, cand_bw
+                                best_c = c
+                        if best_c < 0:
+                            break
+                        pair[nsel] = best_c
+                        nsel += 1
+            if nsel >= 2:
+                sgain = cost / cur_cost - 1.0
+                if sgain > self.params[P_SPLIT_MARGIN]:
+                    idx = tuple([pair[i] for i in range(nsel)])
+                    shares = []
+                    rem = int(nbytes)
+                    for i in range(nsel - 1):
+                        s = int(nbytes * (self.s_bw[pair[i]] / cur_bw))
+                        shares.append(s)
+                        rem -= s
+                    shares.append(rem)
+                    return (PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
+        if reason == 0:
+            gain = 0.0
+        return (kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
+
+    def scores(self, double nbytes, bint ttft):
+        """Per-candidate (available_bw, est_time_us, cost, rejected) for diagnostics and the CLI."""
+        self._score(nbytes, ttft)
+        return [(self.s_bw[p], self.s_est[p], self.s_cost[p], bool(self.s_rej[p])) for p in range(self.n_paths)]

@@ -1,0 +1,280 @@
+"""YAML configuration -> frozen dataclasses, validated once at load.
+
+`configs/default.yaml` is the single source of defaults: load_config() overlays the user's file on
+it, and tests check that the dataclass defaults below equal it. Every error names the key path
+(e.g. `selector.nvlink_util_threshold`), the offending value and what is allowed.
+The SGLang backend reads the file named by the FLEXFLOW_CONFIG environment variable.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional, Tuple
+
+import yaml
+
+from .errors import ConfigError
+
+ENV_VAR = "FLEXFLOW_CONFIG"
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CONFIG_PATH = os.path.join(_PKG_DIR, "configs", "default.yaml")
+
+# ------------------------------------------------------------------ value rules
+_SELECTOR_RULES = {
+    "w_bandwidth": ("weight", None), "w_queue_delay": ("weight", None), "w_hops": ("weight", None),
+    "w_qos_risk": ("weight", None), "w_latency": ("weight", None),
+    "nvlink_util_threshold": ("threshold", None), "rdma_util_threshold": ("threshold", None),
+    "cnic_util_threshold": ("threshold", None), "snic_util_threshold": ("threshold", None),
+    "relay_benefit_margin": ("margin", None), "split_benefit_margin": ("margin", None),
+    "enable_split_path": ("bool", None), "ttft_sensitive": ("bool", None),
+    "max_split_paths": ("int_range", (1, 8)),
+}
+
+
+def _check(kind: str, arg, value, key: str) -> Optional[str]:
+    isnum = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "weight":
+        if not isnum or not value >= 0 or value != value:
+            return f"{key} = {value!r}: must be a number >= 0"
+    elif kind == "threshold":
+        if not isnum or not (0 < value <= 1):
+            return f"{key} = {value!r}: must be a number in (0, 1]"
+    elif kind == "margin":
+        if not isnum or not value >= 0:
+            return f"{key} = {value!r}: must be a number >= 0"
+    elif kind == "positive":
+        if not isnum or not value > 0:
+            return f"{key} = {value!r}: must be a number > 0"
+    elif kind == "nonneg":
+        if not isnum or not value >= 0:
+            return f"{key} = {value!r}: must be a number >= 0"
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            return f"{key} = {value!r}: must be true or false"
+    elif kind == "int_range":
+        lo, hi = arg
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            return f"{key} = {value!r}: must be an integer in [{lo}, {hi}]"
+    elif kind == "choice":
+        if value not in arg:
+            return f"{key} = {value!r}: must be one of {list(arg)}"
+    elif kind == "str":
+        if not isinstance(value, str) or not value:
+            return f"{key} = {value!r}: must be a non-empty string"
+    elif kind == "opt_str":
+        if value is not None and (not isinstance(value, str) or not value):
+            return f"{key} = {value!r}: must be a non-empty string or null"
+    elif kind == "opt_positive":
+        if value is not None and (not isnum or not value > 0):
+            return f"{key} = {value!r}: must be a number > 0 or null"
+    elif kind == "opt_int_pos":
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            return f"{key} = {value!r}: must be a positive integer or null"
+    elif kind == "str_list":
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            return f"{key} = {value!r}: must be a list of non-empty strings"
+    return None
+
+
+def validate_selector_values(values: Dict[str, Any], where: str = "selector") -> None:
+    errs = [e for k, v in values.items() if k in _SELECTOR_RULES
+            for e in [_check(*_SELECTOR_RULES[k], v, f"{where}.{k}")] if e]
+    if errs:
+        raise ConfigError("invalid configuration: " + "; ".join(errs))
+
+
+# ------------------------------------------------------------------ sections
+@dataclass(frozen=True)
+class TopologyConfig:
+    source: str = "auto"  # auto | discover | mock | file
+    mock: str = "single"
+    file: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    sample_interval_ms: float = 100.0
+    source: str = "auto"  # auto | mock | nvml | sysfs
+    feedback_half_life_ms: float = 500.0
+    sysfs_root: str = "/sys"
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    enabled: bool = True
+    capacity_gb: float = 1.0
+    capacity_tokens: Optional[int] = None  # overrides capacity_gb when set
+    write_policy: str = "write_through"  # write_through | on_evict
+    verify_checksums: bool = True
+    pin_memory: str = "auto"  # auto | always | never
+
+
+@dataclass(frozen=True)
+class StorageTierConfig:
+    enabled: bool = False
+    path: str = "/tmp/flexflow-kv"
+    capacity_gb: float = 10.0
+    backend: str = "auto"  # auto | posix | gds
+    eviction: str = "lru"
+
+
+@dataclass(frozen=True)
+class RemoteTierConfig:
+    enabled: bool = False
+    peers: Tuple[str, ...] = ()
+    listen: str = "127.0.0.1:0"
+    timeout_ms: float = 2000.0
+    retry_after_s: float = 10.0
+
+
+_RULES: Dict[str, Dict[str, tuple]] = {
+    "topology": {"source": ("choice", ("auto", "discover", "mock", "file")), "mock": ("str", None),
+                 "file": ("opt_str", None)},
+    "monitor": {"sample_interval_ms": ("positive", None), "source": ("choice", ("auto", "mock", "nvml", "sysfs")),
+                "feedback_half_life_ms": ("positive", None), "sysfs_root": ("str", None)},
+    "host_tier": {"enabled": ("bool", None), "capacity_gb": ("nonneg", None), "capacity_tokens": ("opt_int_pos", None),
+                  "write_policy": ("choice", ("write_through", "on_evict")), "verify_checksums": ("bool", None),
+                  "pin_memory": ("choice", ("auto", "always", "never"))},
+    "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
+                     "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",))},
+    "remote_tier": {"enabled": ("bool", None), "peers": ("str_list", None), "listen": ("str", None),
+                    "timeout_ms": ("positive", None), "retry_after_s": ("positive", None)},
+    "selector": _SELECTOR_RULES,
+}
+_TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",
+                ("DEBUG", "INFO", "WARNING", "ERROR"))}
+
+
+@dataclass(frozen=True)
+class FlexFlowConfig:
+    selector: "Any" = None  # SelectorConfig (import cycle: filled in __post_init__)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    host_tier: HostTierConfig = field(default_factory=HostTierConfig)
+    storage_tier: StorageTierConfig = field(default_factory=StorageTierConfig)
+    remote_tier: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    selector_impl: str = "auto"
+    log_level: str = "INFO"
+    path: Optional[str] = None  # the file it came from (None = defaults)
+
+    def __post_init__(self):
+        if self.selector is None:
+            from .selector.types import SelectorConfig
+            object.__setattr__(self, "selector", SelectorConfig())
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in fields(self):
+            if f.name == "path":
+                continue
+            v = getattr(self, f.name)
+            if hasattr(v, "__dataclass_fields__"):
+                v = {g.name: (list(getattr(v, g.name)) if isinstance(getattr(v, g.name), tuple)
+                              else getattr(v, g.name)) for g in fields(v)}
+            out[f.name] = v
+        return out
+
+
+_SECTION_CLASSES = {"topology": TopologyConfig, "monitor": MonitorConfig, "host_tier": HostTierConfig,
+                    "storage_tier": StorageTierConfig, "remote_tier": RemoteTierConfig}
+
+
+def _read_yaml(path: str, what: str) -> dict:
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path!r}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path!r}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def default_dict() -> dict:
+    return _read_yaml(DEFAULT_CONFIG_PATH, "default config")
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> FlexFlowConfig:
+    """Overlay `data` on configs/default.yaml, validate everything, build the frozen config."""
+    from .selector.types import SelectorConfig
+    base = default_dict()
+    errs = []
+    valid_top = sorted(set(_RULES) | set(_TOP_SCALARS))
+    for key, val in data.items():
+        if key not in _RULES and key not in _TOP_SCALARS:
+            errs.append(f"unknown key {key!r} (valid keys: {valid_top})")
+            continue
+        if key in _TOP_SCALARS:
+            base[key] = val
+            continue
+        if val is None:
+            continue
+        if not isinstance(val, dict):
+            errs.append(f"{key} must be a mapping, got {val!r}")
+            continue
+        for sub, sval in val.items():
+            if sub not in _RULES[key]:
+                errs.append(f"unknown key '{key}.{sub}' (valid keys in {key}: {sorted(_RULES[key])})")
+            else:
+                base.setdefault(key, {})[sub] = sval
+    for key, rules in _RULES.items():
+        for sub, rule in rules.items():
+            if sub not in base.get(key, {}):
+                errs.append(f"{key}.{sub} missing from {DEFAULT_CONFIG_PATH}")
+                continue
+            e = _check(*rule, base[key][sub], f"{key}.{sub}")
+            if e:
+                errs.append(e)
+    for key, rule in _TOP_SCALARS.items():
+        e = _check(*rule, base.get(key), key)
+        if e:
+            errs.append(e)
+    ts = base.get("topology", {})
+    if ts.get("source") == "file" and not ts.get("file"):
+        errs.append("topology.file must name a YAML topology when topology.source is 'file'")
+    if errs:
+        raise ConfigError(f"invalid flexflow config {source}: " + "; ".join(errs))
+    sections = {name: cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in base[name].items()})
+                for name, cls in _SECTION_CLASSES.items()}
+    return FlexFlowConfig(selector=SelectorConfig(**base["selector"]), selector_impl=base["selector_impl"],
+                          log_level=base["log_level"], path=None if source == "<defaults>" else source, **sections)
+
+
+def load_config(path: Optional[str] = None) -> FlexFlowConfig:
+    """Load and validate a YAML config. `path=None` reads $FLEXFLOW_CONFIG, else the defaults."""
+    if path is None:
+        path = os.environ.get(ENV_VAR) or None
+    if path is None:
+        return config_from_dict({}, "<defaults>")
+    data = _read_yaml(os.fspath(path), "flexflow config")
+    return config_from_dict(data, os.fspath(path))
+
+
+def build_topology(cfg: FlexFlowConfig):
+    """Topology named by the config: discover (NVML + sysfs), a mock, or a YAML file.
+    'auto' discovers when a GPU is visible to NVML, otherwise uses the configured mock."""
+    from .topology import Topology, discover
+    from .topology.mock import make_mock
+    tc = cfg.topology
+    if tc.source == "file":
+        path = tc.file
+        if cfg.path and not os.path.isabs(path):
+            path = os.path.join(os.path.dirname(cfg.path), path)
+        return Topology.from_yaml(path)
+    if tc.source == "mock":
+        try:
+            return make_mock(tc.mock)
+        except ValueError as e:
+            raise ConfigError(f"topology.mock: {e}") from None
+    topo = discover(sysfs_root=cfg.monitor.sysfs_root)
+    if tc.source == "discover" or topo.nodes_of_kind("gpu"):
+        return topo
+    return make_mock(tc.mock)

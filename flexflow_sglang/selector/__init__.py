@@ -1,0 +1,7 @@
+"""flexFlow path selection: PathSelector over a compiled scoring core (csrc/) or its Python twin."""
+
+from .selector import PathSelector, pack_params, selector_backend
+from .types import PathDecision, PathType, SelectorConfig, SubPath, TransferRequest
+
+__all__ = ["PathSelector", "PathDecision", "PathType", "SelectorConfig", "SubPath", "TransferRequest",
+           "selector_backend", "pack_params"]

@@ -1,0 +1,255 @@
+"""Pure-Python twin of csrc/flexflow_sglang/_selector_core.pyx.
+
+Same operations in the same order on IEEE doubles, so it returns exactly the tuples the compiled
+core returns (tests/selector/test_twin.py checks thousands of random cases). It is the fallback when
+the extension is not built, and the reference the compiled core is measured against.
+"""
+
+MIN_AVAIL_FRAC = 0.01
+TTFT_HOP_FACTOR = 4.0
+TTFT_LAT_FACTOR = 2.0
+SPLIT_TOP = 8
+MAX_SPLIT_CAP = 8
+
+PT_DIRECT, PT_NVLINK_RELAY, PT_CROSSNODE_RELAY, PT_SPLIT, PT_STORAGE_RELAY = 0, 1, 2, 3, 4
+(P_W_BW, P_W_Q, P_W_HOPS, P_W_QOS, P_W_LAT, P_RELAY_MARGIN, P_SPLIT_MARGIN, P_ENABLE_SPLIT,
+ P_MAX_SPLIT, P_RELAY_CHUNK, P_RELAY_OVERHEAD_US, P_NPARAMS) = range(12)
+
+
+class PairCore:
+    def __init__(self, ptype, ptr, plinks, fixed_lat, nrelay, extra_hops, disjoint, cap, thr, util,
+                 qdelay, params):
+        n = len(ptype)
+        if len(ptr) != n + 1 or len(fixed_lat) != n or len(nrelay) != n or len(extra_hops) != n \
+                or len(disjoint) != n * n:
+            raise ValueError("PairCore: inconsistent candidate array sizes")
+        if len(cap) != len(thr) or len(util) != len(cap) or len(qdelay) != len(cap):
+            raise ValueError("PairCore: inconsistent link array sizes")
+        if len(params) != P_NPARAMS:
+            raise ValueError("PairCore: params must have %d entries" % P_NPARAMS)
+        self.n_paths = n
+        self.ptype = [int(x) for x in ptype]
+        self.ptr = [int(x) for x in ptr]
+        self.plinks = [int(x) for x in plinks]
+        self.fixed_lat = [float(x) for x in fixed_lat]
+        self.nrelay = [int(x) for x in nrelay]
+        self.extra_hops = [float(x) for x in extra_hops]
+        self.disjoint = [int(x) for x in disjoint]
+        self.cap = [float(x) for x in cap]
+        self.thr = [float(x) for x in thr]
+        self.util = util  # live arrays owned by the NodeAgent, read element by element
+        self.qdelay = qdelay
+        self.params = params
+        m = max(n, 1)
+        self.s_bw = [0.0] * m
+        self.s_cost = [0.0] * m
+        self.s_est = [0.0] * m
+        self.s_tl = [0.0] * m
+        self.s_q = [0.0] * m
+        self.s_risk = [0.0] * m
+        self.s_rej = [0] * m
+        self.s_worst = [0] * m
+        self.s_order = [0] * m
+
+    def set_params(self, params):
+        if len(params) != P_NPARAMS:
+            raise ValueError("PairCore: params must have %d entries" % P_NPARAMS)
+        self.params = params
+
+    def _score(self, nbytes, ttft):
+        params = self.params
+        w_bw, w_q, w_hops = float(params[P_W_BW]), float(params[P_W_Q]), float(params[P_W_HOPS])
+        w_qos, w_lat = float(params[P_W_QOS]), float(params[P_W_LAT])
+        relay_chunk, relay_ovh = float(params[P_RELAY_CHUNK]), float(params[P_RELAY_OVERHEAD_US])
+        chunk = nbytes if nbytes < relay_chunk else relay_chunk
+        hopf = TTFT_HOP_FACTOR if ttft else 1.0
+        wl = w_lat * (TTFT_LAT_FACTOR if ttft else 1.0)
+        util, qdelay, cap, thr, plinks = self.util, self.qdelay, self.cap, self.thr, self.plinks
+        for p in range(self.n_paths):
+            bw = 1e300
+            risk = 0.0
+            q = 0.0
+            worst = -1
+            worst_ex = 0.0
+            self.s_rej[p] = 0
+            for k in range(self.ptr[p], self.ptr[p + 1]):
+                l = plinks[k]
+                u = float(util[l])
+                if u < 0.0:
+                    u = 0.0
+                if u > 1.0:
+                    u = 1.0
+                a = cap[l] * (1.0 - u)
+                fl = cap[l] * MIN_AVAIL_FRAC
+                if a < fl:
+                    a = fl
+                if a < bw:
+                    bw = a
+                r = u / thr[l]
+                if r > risk:
+                    risk = r
+                if u > thr[l]:
+                    self.s_rej[p] = 1
+                    ex = u - thr[l]
+                    if worst < 0 or ex > worst_ex:
+                        worst_ex = ex
+                        worst = l
+                q = q + float(qdelay[l])
+            if risk > 1.0:
+                risk = 1.0
+            t_x = nbytes / (bw * 1000.0)
+            t_l = self.fixed_lat[p] + self.nrelay[p] * (chunk / (bw * 1000.0) + relay_ovh)
+            self.s_bw[p] = bw
+            self.s_tl[p] = t_l
+            self.s_q[p] = q
+            self.s_risk[p] = risk
+            self.s_worst[p] = worst
+            self.s_est[p] = t_x + t_l + q
+            self.s_cost[p] = (w_bw * t_x + wl * t_l + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
+                * (1.0 + w_qos * risk)
+
+    def _set_cost(self, sel, n, nbytes, ttft):
+        bws = 0.0
+        tl = 0.0
+        q = 0.0
+        eh = 0.0
+        risk = 0.0
+        for i in range(n):
+            p = sel[i]
+            bws = bws + self.s_bw[p]
+            if self.s_tl[p] > tl:
+                tl = self.s_tl[p]
+            if self.s_q[p] > q:
+                q = self.s_q[p]
+            if self.extra_hops[p] > eh:
+                eh = self.extra_hops[p]
+            if self.s_risk[p] > risk:
+                risk = self.s_risk[p]
+        params = self.params
+        hopf = TTFT_HOP_FACTOR if ttft else 1.0
+        wl = float(params[P_W_LAT]) * (TTFT_LAT_FACTOR if ttft else 1.0)
+        t_x = nbytes / (bws * 1000.0)
+        cost = (float(params[P_W_BW]) * t_x + wl * tl + float(params[P_W_Q]) * q) \
+            * (1.0 + float(params[P_W_HOPS]) * eh * hopf) * (1.0 + float(params[P_W_QOS]) * risk)
+        return cost, t_x + tl + q, bws
+
+    def _disjoint_with(self, c, sel, n):
+        for i in range(n):
+            if self.disjoint[c * self.n_paths + sel[i]] == 0:
+                return False
+        return True
+
+    def select(self, nbytes, ttft):
+        nbytes = float(nbytes)
+        ttft = bool(ttft)
+        n = self.n_paths
+        if n == 0:
+            return None
+        best_dir = best_ok = best_all = -1
+        reason, aux_link, aux_path, gain, sgain = 0, -1, -1, 0.0, 0.0
+        self._score(nbytes, ttft)
+        s_cost, s_rej, ptype = self.s_cost, self.s_rej, self.ptype
+        for p in range(n):
+            if best_all < 0 or s_cost[p] < s_cost[best_all]:
+                best_all = p
+            if s_rej[p] == 0:
+                if best_ok < 0 or s_cost[p] < s_cost[best_ok]:
+                    best_ok = p
+                if ptype[p] == PT_DIRECT and (best_dir < 0 or s_cost[p] < s_cost[best_dir]):
+                    best_dir = p
+        if best_ok < 0:
+            choose = best_all
+            return (ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
+                    4, self.s_worst[choose], choose, 0.0, s_cost[choose])
+        choose = best_ok
+        params = self.params
+        if ptype[choose] != PT_DIRECT:
+            if best_dir >= 0:
+                gain = s_cost[best_dir] / s_cost[choose] - 1.0
+                if gain > float(params[P_RELAY_MARGIN]):
+                    reason = 1
+                else:
+                    reason = 5
+                    aux_path = choose
+                    choose = best_dir
+            else:
+                reason = 6 if ptype[choose] == PT_STORAGE_RELAY else 2
+                for p in range(n):
+                    if ptype[p] == PT_DIRECT:
+                        aux_link = self.s_worst[p]
+                        break
+        kind = ptype[choose]
+        cost = s_cost[choose]
+        est = self.s_est[choose]
+        bw = self.s_bw[choose]
+        max_split = int(float(params[P_MAX_SPLIT]))
+        if max_split > MAX_SPLIT_CAP:
+            max_split = MAX_SPLIT_CAP
+        nsel = 0
+        if float(params[P_ENABLE_SPLIT]) != 0.0 and max_split >= 2:
+            for t in range(n):
+                s_rej[t] = s_rej[t] * 2
+            n_top = 0
+            order = self.s_order
+            while n_top < SPLIT_TOP:
+                best_c = -1
+                best_bw = 0.0
+                for p in range(n):
+                    if s_rej[p] == 0 and (best_c < 0 or self.s_bw[p] > best_bw):
+                        best_c = p
+                        best_bw = self.s_bw[p]
+                if best_c < 0:
+                    break
+                s_rej[best_c] = 1
+                order[n_top] = best_c
+                n_top += 1
+            best_pair_cost = -1.0
+            best_pair_est = 0.0
+            best_pair_bw = 0.0
+            pair = [0] * MAX_SPLIT_CAP
+            for i in range(n_top):
+                for j in range(i + 1, n_top):
+                    if self.disjoint[order[i] * n + order[j]] == 0:
+                        continue
+                    trial = (order[i], order[j])
+                    c2, e2, b2 = self._set_cost(trial, 2, nbytes, ttft)
+                    if best_pair_cost < 0.0 or c2 < best_pair_cost:
+                        best_pair_cost, best_pair_est, best_pair_bw = c2, e2, b2
+                        pair[0], pair[1] = trial
+            if best_pair_cost >= 0.0:
+                nsel = 2
+                cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
+                while nsel < max_split:
+                    best_c = -1
+                    for i in range(n_top):
+                        c = order[i]
+                        if not self._disjoint_with(c, pair, nsel):
+                            continue
+                        pair[nsel] = c
+                        cand_cost, cand_est, cand_bw = self._set_cost(pair, nsel + 1, nbytes, ttft)
+                        if cand_cost < cur_cost:
+                            cur_cost, cur_est, cur_bw = cand_cost, cand_est, cand_bw
+                            best_c = c
+                    if best_c < 0:
+                        break
+                    pair[nsel] = best_c
+                    nsel += 1
+            if nsel >= 2:
+                sgain = cost / cur_cost - 1.0
+                if sgain > float(params[P_SPLIT_MARGIN]):
+                    idx = tuple(pair[i] for i in range(nsel))
+                    shares = []
+                    rem = int(nbytes)
+                    for i in range(nsel - 1):
+                        s = int(nbytes * (self.s_bw[pair[i]] / cur_bw))
+                        shares.append(s)
+                        rem -= s
+                    shares.append(rem)
+                    return (PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
+        if reason == 0:
+            gain = 0.0
+        return (kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
+
+    def scores(self, nbytes, ttft):
+        self._score(float(nbytes), bool(ttft))
+        return [(self.s_bw[p], self.s_est[p], self.s_cost[p], bool(self.s_rej[p])) for p in range(self.n_paths)]

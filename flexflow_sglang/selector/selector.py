@@ -1,0 +1,191 @@
+"""PathSelector: flexFlow's path choice for one KV move, over the compiled (or twin) scoring core.
+
+Per (src, dst) pair the candidate paths are enumerated once and flattened into typed arrays
+(`_PairTable`); the NodeAgent's live link arrays are shared by every pair, so a load update is
+visible to the next select() without any preparation step. select() is one dict lookup, one
+call into the core and one small object.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+
+from ..errors import CompiledCoreMissing, SelectorError, TopologyError
+from ..topology.graph import PATH_TYPE_BY_CODE, PATH_TYPE_CODES, Path, PathType, Topology
+from .types import PathDecision, SelectorConfig, TransferRequest
+
+try:  # the compiled core; the twin below is the fallback
+    from .. import _selector_core as _compiled
+except ImportError as _e:  # pragma: no cover - depends on the build
+    _compiled = None
+    _compiled_error = _e
+else:
+    _compiled_error = None
+from . import _core_py
+
+#: relay pipeline model: a store-and-forward relay adds one chunk's transfer time plus a fixed
+#: per-relay overhead (buffer hand-off, notification) to the path latency.
+RELAY_CHUNK_BYTES = 4 << 20
+RELAY_OVERHEAD_US = 5.0
+
+
+def selector_backend() -> str:
+    """'compiled' when the Cython core is in use, else 'python'. Honours FLEXFLOW_SELECTOR_IMPL."""
+    return _resolve_impl(None)[0]
+
+
+def _resolve_impl(impl: Optional[str]):
+    want = impl or os.environ.get("FLEXFLOW_SELECTOR_IMPL", "auto")
+    require = os.environ.get("FLEXFLOW_REQUIRE_COMPILED", "0") not in ("", "0", "false", "False")
+    if want not in ("auto", "compiled", "python"):
+        raise ValueError(f"selector implementation {want!r}: expected 'auto', 'compiled' or 'python'")
+    if want == "python":
+        if require:
+            raise CompiledCoreMissing("FLEXFLOW_REQUIRE_COMPILED=1 conflicts with the python selector implementation")
+        return "python", _core_py.PairCore
+    if _compiled is None:
+        if require or want == "compiled":
+            raise CompiledCoreMissing(
+                f"the compiled selector core flexflow_sglang._selector_core is not importable ({_compiled_error}); "
+                "build it with `pip install -e .` (needs Cython and a C compiler)")
+        return "python", _core_py.PairCore
+    return "compiled", _compiled.PairCore
+
+
+def pack_params(cfg: SelectorConfig, ttft_default: bool = False) -> np.ndarray:
+    return np.array([cfg.w_bandwidth, cfg.w_queue_delay, cfg.w_hops, cfg.w_qos_risk, cfg.w_latency,
+                     cfg.relay_benefit_margin, cfg.split_benefit_margin, 1.0 if cfg.enable_split_path else 0.0,
+                     float(cfg.max_split_paths), float(RELAY_CHUNK_BYTES), RELAY_OVERHEAD_US], dtype=np.float64)
+
+
+class _PairTable:
+    __slots__ = ("paths", "core", "arrays")
+
+    def __init__(self, paths: Tuple[Path, ...], core, arrays):
+        self.paths = paths
+        self.core = core
+        self.arrays = arrays  # keep the numpy buffers alive for the memoryviews
+
+
+class PathSelector:
+    """`PathSelector(topo, agent, cfg).select(TransferRequest(src, dst, data_bytes))` -> PathDecision.
+
+    `agent` is a NodeAgent (or anything exposing `util` and `qdelay_us` float64 arrays indexed by
+    link id); None means an idle network. `impl` forces 'compiled' or 'python' (default: auto)."""
+
+    def __init__(self, topology: Topology, agent=None, config: Optional[SelectorConfig] = None,
+                 impl: Optional[str] = None, allow_storage: bool = True):
+        self.topology = topology
+        self.config = config or SelectorConfig()
+        self.impl, self._core_cls = _resolve_impl(impl)
+        self.allow_storage = allow_storage
+        n_links = len(topology.links)
+        if agent is None:
+            from ..monitor.node_agent import NodeAgent
+            agent = NodeAgent(topology, source="mock")
+        self.agent = agent
+        if len(agent.util) != n_links:
+            raise TopologyError(f"NodeAgent tracks {len(agent.util)} links but the topology has {n_links}")
+        self._cap = np.array([l.capacity_gbps for l in topology.links], dtype=np.float64)
+        self._params = pack_params(self.config)
+        self._thr = self._thresholds()
+        self._tables: Dict[Tuple[str, str], _PairTable] = {}
+
+    def _thresholds(self) -> np.ndarray:
+        return np.array([self.config.threshold_for(l.qos_class) for l in self.topology.links], dtype=np.float64)
+
+    def update_config(self, config: SelectorConfig) -> None:
+        """Swap knobs in place (weights, thresholds, margins); pair tables are rebuilt lazily."""
+        self.config = config
+        self._params[:] = pack_params(config)
+        self._thr[:] = self._thresholds()
+
+    # ----------------------------------------------------------------- preparation
+    def candidates(self, src: str, dst: str) -> Tuple[Path, ...]:
+        return self._table(src, dst).paths
+
+    def _table(self, src: str, dst: str) -> _PairTable:
+        key = (src, dst)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = self._build(src, dst)
+        return t
+
+    def _build(self, src: str, dst: str) -> _PairTable:
+        try:
+            paths = self.topology.enumerate_paths(src, dst, allow_storage=self.allow_storage)
+        except TopologyError as e:
+            raise SelectorError(str(e)) from None
+        if not paths:
+            raise SelectorError(f"no path from {src!r} to {dst!r} in topology {self.topology.name}")
+        links = self.topology.links
+        n = len(paths)
+        direct_hops = min((p.hops for p in paths if p.type == PathType.Direct), default=min(p.hops for p in paths))
+        ptype = np.array([PATH_TYPE_CODES[p.type] for p in paths], dtype=np.int32)
+        ptr = np.zeros(n + 1, dtype=np.int32)
+        for i, p in enumerate(paths):
+            ptr[i + 1] = ptr[i] + len(p.links)
+        plinks = np.array([l for p in paths for l in p.links], dtype=np.int32)
+        fixed_lat = np.array([sum(links[l].latency_us for l in p.links) for p in paths], dtype=np.float64)
+        nrelay = np.array([len(p.relays) for p in paths], dtype=np.int32)
+        extra = np.array([max(0, p.hops - direct_hops) for p in paths], dtype=np.float64)
+        disjoint = np.zeros(n * n, dtype=np.uint8)
+        sets = [set(p.links) for p in paths]
+        for i in range(n):
+            for j in range(n):
+                if i != j and not (sets[i] & sets[j]):
+                    disjoint[i * n + j] = 1
+        arrays = (ptype, ptr, plinks, fixed_lat, nrelay, extra, disjoint)
+        core = self._core_cls(ptype, ptr, plinks, fixed_lat, nrelay, extra, disjoint, self._cap, self._thr,
+                              self.agent.util, self.agent.qdelay_us, self._params)
+        return _PairTable(paths, core, arrays)
+
+    # ----------------------------------------------------------------- the hot path
+    def select(self, request: TransferRequest) -> PathDecision:
+        t = self._tables.get((request.src, request.dst))
+        if t is None:
+            t = self._table(request.src, request.dst)
+        ttft = request.ttft_sensitive or self.config.ttft_sensitive
+        (kind, idx, shares, bw, est, qos_bad, reason, aux_link, aux_path, gain, cost) = \
+            t.core.select(request.data_bytes, ttft)
+        return PathDecision(request, PATH_TYPE_BY_CODE[kind], t.paths, idx, shares, bw, est, qos_bad, reason,
+                            _ReasonArgs(self, t.paths, idx, reason, aux_link, aux_path, gain), cost)
+
+    def scores(self, src: str, dst: str, data_bytes: int, ttft: bool = False):
+        """Diagnostics: [(path, available_gbps, est_time_us, cost, rejected)] for every candidate."""
+        t = self._table(src, dst)
+        return [(p, *s) for p, s in zip(t.paths, t.core.scores(float(data_bytes), bool(ttft)))]
+
+    def always_direct(self, request: TransferRequest) -> PathDecision:
+        """The default route a plain transport takes (first direct rail), scored but not chosen."""
+        t = self._table(request.src, request.dst)
+        i = next((k for k, p in enumerate(t.paths) if p.type == PathType.Direct), 0)
+        bw, est, cost, _ = t.core.scores(float(request.data_bytes), bool(request.ttft_sensitive))[i]
+        return PathDecision(request, t.paths[i].type, t.paths, (i,), (request.data_bytes,), bw, est, False, 0,
+                            _ReasonArgs(self, t.paths, (i,), 0, -1, -1, 0.0), cost)
+
+
+class _ReasonArgs:
+    """Formats a decision's reason only when somebody reads it (keeps select() allocation-light)."""
+    __slots__ = ("sel", "paths", "idx", "code", "aux_link", "aux_path", "gain")
+
+    def __init__(self, sel, paths, idx, code, aux_link, aux_path, gain):
+        self.sel, self.paths, self.idx, self.code = sel, paths, idx, code
+        self.aux_link, self.aux_path, self.gain = aux_link, aux_path, gain
+
+    def __call__(self) -> dict:
+        sel, cfg = self.sel, self.sel.config
+        out = {"gain": self.gain, "margin": cfg.relay_benefit_margin, "n": len(self.idx), "via": "",
+               "link": "-", "util": 0.0, "thr": 0.0, "qos": ""}
+        if self.code == 3:
+            out["margin"] = cfg.split_benefit_margin
+        relay_path = self.paths[self.aux_path] if self.code == 5 else self.paths[self.idx[0]]
+        out["via"] = ",".join(relay_path.relays) or "-"
+        if self.aux_link >= 0:
+            link = sel.topology.links[self.aux_link]
+            out.update(link=f"{link.a}-{link.b}", util=float(sel.agent.util[self.aux_link]),
+                       thr=cfg.threshold_for(link.qos_class), qos=link.qos_class)
+        return out

@@ -1,0 +1,144 @@
+"""Selector value types: SelectorConfig, TransferRequest, PathDecision (flexFlow names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Tuple
+
+from ..topology.graph import PATH_TYPE_BY_CODE, Path, PathType  # noqa: F401  (re-exported)
+
+
+@dataclass(frozen=True)
+class SelectorConfig:
+    """flexFlow's knobs. Weights are dimensionless multipliers on the cost terms (see docs/selector.md);
+    thresholds are link utilisations in (0, 1]; margins are relative gains (0.10 = 10 %)."""
+    w_bandwidth: float = 1.0
+    w_queue_delay: float = 0.5
+    w_hops: float = 0.2
+    w_qos_risk: float = 0.3
+    w_latency: float = 0.5
+    nvlink_util_threshold: float = 0.80
+    rdma_util_threshold: float = 0.80
+    cnic_util_threshold: float = 0.70
+    snic_util_threshold: float = 0.85
+    relay_benefit_margin: float = 0.10
+    enable_split_path: bool = True
+    max_split_paths: int = 2
+    split_benefit_margin: float = 0.15
+    ttft_sensitive: bool = False
+
+    def __post_init__(self) -> None:
+        from ..config import validate_selector_values  # one validator for YAML and Python callers
+        validate_selector_values({f.name: getattr(self, f.name) for f in fields(self)}, where="SelectorConfig")
+
+    def threshold_for(self, qos_class: str) -> float:
+        return {"nvlink": self.nvlink_util_threshold, "rdma": self.rdma_util_threshold,
+                "cnic": self.cnic_util_threshold, "snic": self.snic_util_threshold}[qos_class]
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """Move `data_bytes` from node `src` to node `dst` (topology node names)."""
+    src: str
+    dst: str
+    data_bytes: int
+    ttft_sensitive: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data_bytes, int) or isinstance(self.data_bytes, bool) or self.data_bytes <= 0:
+            raise ValueError(f"TransferRequest.data_bytes must be a positive int, got {self.data_bytes!r}")
+
+
+@dataclass(frozen=True)
+class SubPath:
+    """One leg of a decision: the route and the bytes it carries."""
+    type: PathType
+    nodes: Tuple[str, ...]
+    links: Tuple[int, ...]
+    nbytes: int
+
+
+REASONS = {
+    0: "direct path is the best candidate",
+    1: "relay {via} beats direct by {gain:.0%} (margin {margin:.0%})",
+    2: "direct rejected: link {link} at {util:.0%} > {qos} threshold {thr:.0%}",
+    3: "split over {n} link-disjoint paths beats the best single path by {gain:.0%} (margin {margin:.0%})",
+    4: "every path crosses a link above its QoS threshold ({link} at {util:.0%} > {thr:.0%}); least-bad path, QoS not met",
+    5: "relay {via} gains only {gain:.0%} < margin {margin:.0%}; keeping direct",
+    6: "direct rejected by QoS and no relay is within thresholds; storage relay",
+}
+
+
+class PathDecision:
+    """The selector's answer. `hops` is the node sequence, or for a SplitPath a tuple of
+    (node sequence, bytes) whose bytes sum exactly to the request's data_bytes.
+    `estimated_bandwidth` is GB/s, `estimated_time_us` microseconds."""
+
+    __slots__ = ("request", "chosen_type", "_paths", "_idx", "_shares", "estimated_bandwidth",
+                 "estimated_time_us", "qos_violation", "_reason_code", "_reason_args", "cost", "_reason")
+
+    def __init__(self, request, chosen_type, paths, idx, shares, est_bw, est_time, qos_violation,
+                 reason_code, reason_args, cost=0.0):
+        self.request = request
+        self.chosen_type = chosen_type
+        self._paths = paths  # candidate Path tuple of the (src, dst) pair
+        self._idx = idx  # chosen candidate indices (1 for single, k for split)
+        self._shares = shares  # bytes per index
+        self.estimated_bandwidth = est_bw
+        self.estimated_time_us = est_time
+        self.qos_violation = qos_violation
+        self._reason_code = reason_code
+        self._reason_args = reason_args
+        self.cost = cost
+        self._reason = None
+
+    @property
+    def subpaths(self) -> Tuple[SubPath, ...]:
+        return tuple(SubPath(self._paths[i].type, self._paths[i].nodes, self._paths[i].links, s)
+                     for i, s in zip(self._idx, self._shares))
+
+    @property
+    def hops(self):
+        if self.chosen_type == PathType.SplitPath:
+            return tuple((self._paths[i].nodes, s) for i, s in zip(self._idx, self._shares))
+        return self._paths[self._idx[0]].nodes
+
+    @property
+    def links(self) -> Tuple[int, ...]:
+        out = []
+        for i in self._idx:
+            out.extend(self._paths[i].links)
+        return tuple(out)
+
+    @property
+    def reason(self) -> str:
+        if self._reason is None:
+            self._reason = REASONS[self._reason_code].format(**self._reason_args())
+        return self._reason
+
+    @property
+    def reason_code(self) -> int:
+        return self._reason_code
+
+    def to_dict(self) -> dict:
+        return {
+            "src": self.request.src, "dst": self.request.dst, "data_bytes": self.request.data_bytes,
+            "ttft_sensitive": self.request.ttft_sensitive,
+            "chosen_type": self.chosen_type.value,
+            "hops": [list(h) for h in self.hops] if self.chosen_type != PathType.SplitPath
+            else [{"nodes": list(n), "bytes": b} for n, b in self.hops],
+            "subpaths": [{"type": s.type.value, "nodes": list(s.nodes), "bytes": s.nbytes} for s in self.subpaths],
+            "estimated_bandwidth_gbps": round(self.estimated_bandwidth, 6),
+            "estimated_time_us": round(self.estimated_time_us, 3),
+            "qos_violation": self.qos_violation,
+            "reason": self.reason,
+        }
+
+    def __repr__(self) -> str:
+        return (f"PathDecision({self.chosen_type.value}, hops={self.hops}, "
+                f"bw={self.estimated_bandwidth:.2f} GB/s, t={self.estimated_time_us:.1f} us, "
+                f"qos_violation={self.qos_violation}, reason={self.reason!r})")
+
+
+def _opt(x: Optional[float]) -> float:
+    return 0.0 if x is None else x

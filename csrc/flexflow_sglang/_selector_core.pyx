@@ -173,6 +173,13 @@ cdef class PairCore:
                 gain = self.s_cost[best_dir] / self.s_cost[choose] - 1.0
                 if gain > self.params[P_RELAY_MARGIN]:
                     reason = 1
+                    # explain by the default route when it is the one QoS rejected
+                    for p in range(n):
+                        if self.ptype[p] == PT_DIRECT:
+                            if self.s_rej[p]:
+                                reason = 6 if self.ptype[choose] == PT_STORAGE_RELAY else 2
+                                aux_link = self.s_worst[p]
+                            break
                 else:
                     reason = 5
                     aux_path = choose

@@ -1,2 +1,219 @@
-def main(argv=None):
-    raise SystemExit("CLI under construction")
+"""`flexflow` command line: topology, select, demo, bench, and the server-side tools.
+
+Library code never imports this module; it sits on top of the public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from typing import List, Optional
+
+from .. import __version__
+from ..errors import FlexFlowError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'64MiB' -> 67108864; '1.5GB' -> 1500000000; '4096' -> 4096."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 4096, 64MiB, 1.5GB")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be > 0")
+    return value
+
+
+def parse_load(spec: str, topo) -> tuple:
+    """'gpu0-gpu1=0.85' -> ('gpu0', 'gpu1', 0.85); node names may themselves contain '-'."""
+    pair, sep, val = spec.rpartition("=")
+    if not sep:
+        raise FlexFlowError(f"--load {spec!r}: expected A-B=UTIL, e.g. gpu0-gpu1=0.85")
+    try:
+        util = float(val)
+    except ValueError:
+        raise FlexFlowError(f"--load {spec!r}: utilisation {val!r} is not a number") from None
+    for i, ch in enumerate(pair):
+        if ch == "-" and pair[:i] in topo.nodes and pair[i + 1:] in topo.nodes:
+            return pair[:i], pair[i + 1:], util
+    raise FlexFlowError(f"--load {spec!r}: {pair!r} is not two known node names joined by '-'; "
+                        f"nodes: {sorted(topo.nodes)}")
+
+
+def _topology_from_args(args):
+    from ..config import build_topology, load_config
+    from ..topology import Topology, discover, make_mock
+    if getattr(args, "mock", None):
+        return make_mock(args.mock)
+    if getattr(args, "topology_file", None):
+        return Topology.from_yaml(args.topology_file)
+    if getattr(args, "discover", False):
+        return discover()
+    if getattr(args, "config", None):
+        return build_topology(load_config(args.config))
+    return make_mock("dgx8")
+
+
+def _selector_config(args):
+    from ..config import load_config
+    from ..selector import SelectorConfig
+    base = load_config(args.config).selector if getattr(args, "config", None) else SelectorConfig()
+    over = {}
+    if getattr(args, "no_split", False):
+        over["enable_split_path"] = False
+    if not over:
+        return base
+    from dataclasses import replace
+    return replace(base, **over)
+
+
+# ----------------------------------------------------------------- commands
+def cmd_topology(args) -> int:
+    from ..topology import MOCKS
+    if args.list_mocks:
+        print("\n".join(sorted(MOCKS)))
+        return 0
+    topo = _topology_from_args(args)
+    if args.json:
+        print(json.dumps(topo.to_dict(), indent=2))
+        return 0
+    print(topo.summary())
+    for n in topo.nodes.values():
+        print(f"  node {n.name:<22} {n.kind.value:<8} host={n.host}")
+    for l in topo.links:
+        print(f"  link {l.a + ' - ' + l.b:<40} {l.type.value:<9} {l.capacity_gbps:8.2f} GB/s "
+              f"{l.latency_us:6.1f} us  qos={l.qos_class}")
+    return 0
+
+
+def cmd_select(args) -> int:
+    from ..monitor import NodeAgent
+    from ..selector import PathSelector, TransferRequest
+    topo = _topology_from_args(args)
+    agent = NodeAgent(topo, source="mock")
+    for spec in args.load or []:
+        a, b, u = parse_load(spec, topo)
+        agent.set_utilization(a, b, u)
+    sel = PathSelector(topo, agent, _selector_config(args), impl=args.impl)
+    req = TransferRequest(args.src, args.dst, args.bytes, ttft_sensitive=args.ttft)
+    d = sel.select(req)
+    if args.json:
+        out = d.to_dict()
+        out["selector_impl"] = sel.impl
+        out["always_direct_time_us"] = round(sel.always_direct(req).estimated_time_us, 3)
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{req.src} -> {req.dst}, {req.data_bytes} bytes{' (TTFT-sensitive)' if req.ttft_sensitive else ''}")
+    print(f"  decision : {d.chosen_type.value}")
+    for sp in d.subpaths:
+        print(f"  path     : {' -> '.join(sp.nodes)}  ({sp.nbytes} bytes, {sp.type.value})")
+    print(f"  estimate : {d.estimated_bandwidth:.2f} GB/s, {d.estimated_time_us:.1f} us"
+          f"{'  [QoS NOT MET]' if d.qos_violation else ''}")
+    print(f"  reason   : {d.reason}")
+    print(f"  (selector: {sel.impl})")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(json_out=args.json)
+
+
+def cmd_bench(args) -> int:
+    if args.what == "selector":
+        from ..bench.selector_bench import main as bench_main
+    elif args.what == "host-tier":
+        from ..bench.host_tier import main as bench_main  # type: ignore
+    elif args.what == "serve":
+        from ..bench.serve import main as bench_main  # type: ignore
+    elif args.what == "simulate":
+        from ..sim.run import main as bench_main  # type: ignore
+    elif args.what == "tiers":
+        from ..tiers.bench import main as bench_main  # type: ignore
+    else:  # pragma: no cover - argparse restricts choices
+        raise FlexFlowError(f"unknown benchmark {args.what!r}")
+    return bench_main(args.rest) or 0
+
+
+def _passthrough(module: str, func: str = "main"):
+    def run(args) -> int:
+        import importlib
+        mod = importlib.import_module(module)
+        return getattr(mod, func)(args.rest) or 0
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..selector import selector_backend
+    p = argparse.ArgumentParser(prog="flexflow", description="flexflow-sglang: KV-cache transfer layer for SGLang")
+    p.add_argument("--version", action="version",
+                   version=f"flexflow-sglang {__version__} (selector core: {selector_backend()})")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def topo_args(sp):
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--mock", help="mock topology name (see `flexflow topology --list-mocks`)")
+        g.add_argument("--config", help="flexflow YAML config (uses its topology section)")
+        g.add_argument("--topology-file", help="YAML topology description")
+        g.add_argument("--discover", action="store_true", help="discover this machine (NVML + sysfs)")
+
+    t = sub.add_parser("topology", help="print a topology graph")
+    topo_args(t)
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--list-mocks", action="store_true")
+    t.set_defaults(func=cmd_topology)
+
+    s = sub.add_parser("select", help="ask the path selector for one decision")
+    topo_args(s)
+    s.add_argument("--src", required=True)
+    s.add_argument("--dst", required=True)
+    s.add_argument("--bytes", required=True, type=parse_bytes, help="e.g. 64MiB")
+    s.add_argument("--load", action="append", metavar="A-B=UTIL", help="set link utilisation (repeatable)")
+    s.add_argument("--ttft", action="store_true", help="TTFT-sensitive request")
+    s.add_argument("--no-split", action="store_true", help="disable SplitPath")
+    s.add_argument("--impl", choices=["auto", "compiled", "python"], default=None)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_select)
+
+    d = sub.add_parser("demo", help="walk through idle, contention, TTFT, split and storage scenarios")
+    d.add_argument("--mock", action="store_true", default=True, help="use mock topologies (default)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks: selector | host-tier | serve | simulate | tiers")
+    b.add_argument("what", choices=["selector", "host-tier", "serve", "simulate", "tiers"])
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    b.set_defaults(func=cmd_bench)
+
+    for name, module, helptext in (
+            ("make-tiny-model", "flexflow_sglang.cpu_support.tiny_model", "build the tiny local Llama + tokenizer"),
+            ("verify-outputs", "flexflow_sglang.verify_outputs", "baseline/test output equality check"),
+            ("tier-server", "flexflow_sglang.tiers.tier_server", "serve this node's KV tier to peers"),
+            ("quickstart", "flexflow_sglang.quickstart", "serve the tiny model with flexflow and show a host hit")):
+        sp = sub.add_parser(name, help=helptext, add_help=False)
+        sp.add_argument("rest", nargs=argparse.REMAINDER)
+        sp.set_defaults(func=_passthrough(module))
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except FlexFlowError as e:
+        print(f"flexflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -168,6 +168,13 @@ class PairCore:
                 gain = s_cost[best_dir] / s_cost[choose] - 1.0
                 if gain > float(params[P_RELAY_MARGIN]):
                     reason = 1
+                    # explain by the default route when it is the one QoS rejected
+                    for p in range(n):
+                        if ptype[p] == PT_DIRECT:
+                            if s_rej[p]:
+                                reason = 6 if ptype[choose] == PT_STORAGE_RELAY else 2
+                                aux_link = self.s_worst[p]
+                            break
                 else:
                     reason = 5
                     aux_path = choose

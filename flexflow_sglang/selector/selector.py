@@ -148,11 +148,8 @@ class PathSelector:
         t = self._tables.get((request.src, request.dst))
         if t is None:
             t = self._table(request.src, request.dst)
-        ttft = request.ttft_sensitive or self.config.ttft_sensitive
-        (kind, idx, shares, bw, est, qos_bad, reason, aux_link, aux_path, gain, cost) = \
-            t.core.select(request.data_bytes, ttft)
-        return PathDecision(request, PATH_TYPE_BY_CODE[kind], t.paths, idx, shares, bw, est, qos_bad, reason,
-                            _ReasonArgs(self, t.paths, idx, reason, aux_link, aux_path, gain), cost)
+        raw = t.core.select(request.data_bytes, request.ttft_sensitive or self.config.ttft_sensitive)
+        return PathDecision(request, t.paths, raw, self)
 
     def scores(self, src: str, dst: str, data_bytes: int, ttft: bool = False):
         """Diagnostics: [(path, available_gbps, est_time_us, cost, rejected)] for every candidate."""
@@ -163,29 +160,6 @@ class PathSelector:
         """The default route a plain transport takes (first direct rail), scored but not chosen."""
         t = self._table(request.src, request.dst)
         i = next((k for k, p in enumerate(t.paths) if p.type == PathType.Direct), 0)
-        bw, est, cost, _ = t.core.scores(float(request.data_bytes), bool(request.ttft_sensitive))[i]
-        return PathDecision(request, t.paths[i].type, t.paths, (i,), (request.data_bytes,), bw, est, False, 0,
-                            _ReasonArgs(self, t.paths, (i,), 0, -1, -1, 0.0), cost)
-
-
-class _ReasonArgs:
-    """Formats a decision's reason only when somebody reads it (keeps select() allocation-light)."""
-    __slots__ = ("sel", "paths", "idx", "code", "aux_link", "aux_path", "gain")
-
-    def __init__(self, sel, paths, idx, code, aux_link, aux_path, gain):
-        self.sel, self.paths, self.idx, self.code = sel, paths, idx, code
-        self.aux_link, self.aux_path, self.gain = aux_link, aux_path, gain
-
-    def __call__(self) -> dict:
-        sel, cfg = self.sel, self.sel.config
-        out = {"gain": self.gain, "margin": cfg.relay_benefit_margin, "n": len(self.idx), "via": "",
-               "link": "-", "util": 0.0, "thr": 0.0, "qos": ""}
-        if self.code == 3:
-            out["margin"] = cfg.split_benefit_margin
-        relay_path = self.paths[self.aux_path] if self.code == 5 else self.paths[self.idx[0]]
-        out["via"] = ",".join(relay_path.relays) or "-"
-        if self.aux_link >= 0:
-            link = sel.topology.links[self.aux_link]
-            out.update(link=f"{link.a}-{link.b}", util=float(sel.agent.util[self.aux_link]),
-                       thr=cfg.threshold_for(link.qos_class), qos=link.qos_class)
-        return out
+        bw, est, cost, rej = t.core.scores(float(request.data_bytes), bool(request.ttft_sensitive))[i]
+        raw = (PATH_TYPE_CODES[t.paths[i].type], (i,), (request.data_bytes,), bw, est, rej, 0, -1, -1, 0.0, cost)
+        return PathDecision(request, t.paths, raw, self)

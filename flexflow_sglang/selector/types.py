@@ -72,61 +72,94 @@ REASONS = {
 class PathDecision:
     """The selector's answer. `hops` is the node sequence, or for a SplitPath a tuple of
     (node sequence, bytes) whose bytes sum exactly to the request's data_bytes.
-    `estimated_bandwidth` is GB/s, `estimated_time_us` microseconds."""
+    `estimated_bandwidth` is GB/s, `estimated_time_us` microseconds.
 
-    __slots__ = ("request", "chosen_type", "_paths", "_idx", "_shares", "estimated_bandwidth",
-                 "estimated_time_us", "qos_violation", "_reason_code", "_reason_args", "cost", "_reason")
+    Built from the core's raw result tuple; everything else is derived on access so that
+    select() allocates one small object."""
 
-    def __init__(self, request, chosen_type, paths, idx, shares, est_bw, est_time, qos_violation,
-                 reason_code, reason_args, cost=0.0):
+    __slots__ = ("request", "_paths", "_raw", "_sel", "_reason")
+
+    def __init__(self, request, paths, raw, selector):
         self.request = request
-        self.chosen_type = chosen_type
         self._paths = paths  # candidate Path tuple of the (src, dst) pair
-        self._idx = idx  # chosen candidate indices (1 for single, k for split)
-        self._shares = shares  # bytes per index
-        self.estimated_bandwidth = est_bw
-        self.estimated_time_us = est_time
-        self.qos_violation = qos_violation
-        self._reason_code = reason_code
-        self._reason_args = reason_args
-        self.cost = cost
+        # raw = (kind, indices, shares, est_bw, est_time, qos_violation, reason, aux_link, aux_path, gain, cost)
+        self._raw = raw
+        self._sel = selector
         self._reason = None
+
+    @property
+    def chosen_type(self) -> PathType:
+        return PATH_TYPE_BY_CODE[self._raw[0]]
+
+    @property
+    def estimated_bandwidth(self) -> float:
+        return self._raw[3]
+
+    @property
+    def estimated_time_us(self) -> float:
+        return self._raw[4]
+
+    @property
+    def qos_violation(self) -> bool:
+        return bool(self._raw[5])
+
+    @property
+    def reason_code(self) -> int:
+        return self._raw[6]
+
+    @property
+    def cost(self) -> float:
+        return self._raw[10]
+
+    @property
+    def gain(self) -> float:
+        return self._raw[9]
 
     @property
     def subpaths(self) -> Tuple[SubPath, ...]:
         return tuple(SubPath(self._paths[i].type, self._paths[i].nodes, self._paths[i].links, s)
-                     for i, s in zip(self._idx, self._shares))
+                     for i, s in zip(self._raw[1], self._raw[2]))
 
     @property
     def hops(self):
-        if self.chosen_type == PathType.SplitPath:
-            return tuple((self._paths[i].nodes, s) for i, s in zip(self._idx, self._shares))
-        return self._paths[self._idx[0]].nodes
+        if self._raw[0] == 3:  # SplitPath
+            return tuple((self._paths[i].nodes, s) for i, s in zip(self._raw[1], self._raw[2]))
+        return self._paths[self._raw[1][0]].nodes
+
+    @property
+    def relays(self) -> Tuple[str, ...]:
+        return tuple(r for i in self._raw[1] for r in self._paths[i].relays)
 
     @property
     def links(self) -> Tuple[int, ...]:
-        out = []
-        for i in self._idx:
-            out.extend(self._paths[i].links)
-        return tuple(out)
+        return tuple(l for i in self._raw[1] for l in self._paths[i].links)
 
     @property
     def reason(self) -> str:
         if self._reason is None:
-            self._reason = REASONS[self._reason_code].format(**self._reason_args())
+            self._reason = REASONS[self._raw[6]].format(**self._reason_args())
         return self._reason
 
-    @property
-    def reason_code(self) -> int:
-        return self._reason_code
+    def _reason_args(self) -> dict:
+        kind, idx, _, _, _, _, code, aux_link, aux_path, gain, _ = self._raw
+        cfg = self._sel.config
+        out = {"gain": gain, "margin": cfg.split_benefit_margin if code == 3 else cfg.relay_benefit_margin,
+               "n": len(idx), "via": "-", "link": "-", "util": 0.0, "thr": 0.0, "qos": ""}
+        relay_path = self._paths[aux_path] if code == 5 else self._paths[idx[0]]
+        out["via"] = ",".join(relay_path.relays) or "-"
+        if aux_link >= 0:
+            link = self._sel.topology.links[aux_link]
+            out.update(link=f"{link.a}-{link.b}", util=float(self._sel.agent.util[aux_link]),
+                       thr=cfg.threshold_for(link.qos_class), qos=link.qos_class)
+        return out
 
     def to_dict(self) -> dict:
+        split = self._raw[0] == 3
         return {
             "src": self.request.src, "dst": self.request.dst, "data_bytes": self.request.data_bytes,
             "ttft_sensitive": self.request.ttft_sensitive,
             "chosen_type": self.chosen_type.value,
-            "hops": [list(h) for h in self.hops] if self.chosen_type != PathType.SplitPath
-            else [{"nodes": list(n), "bytes": b} for n, b in self.hops],
+            "hops": [{"nodes": list(n), "bytes": b} for n, b in self.hops] if split else list(self.hops),
             "subpaths": [{"type": s.type.value, "nodes": list(s.nodes), "bytes": s.nbytes} for s in self.subpaths],
             "estimated_bandwidth_gbps": round(self.estimated_bandwidth, 6),
             "estimated_time_us": round(self.estimated_time_us, 3),

@@ -280,7 +280,9 @@ class Topology:
                 if relay.name in (src, dst) or relay.kind not in ENDPOINT_KINDS:
                     continue
                 if relay.kind == NodeKind.STORAGE:
-                    if not allow_storage:
+                    # a relay through an endpoint's own disk shares that endpoint's links: only
+                    # storage reached over its own fabric (flexFlow's SNIC) can bypass congestion
+                    if not allow_storage or relay.host in (s_host, d_host):
                         continue
                     ptype = PathType.StorageRelay
                 elif relay.host in (s_host, d_host):
@@ -293,15 +295,21 @@ class Topology:
                 if not first or not second:
                     continue
                 a, b = first[0], second[0]
-                if set(a.links) & set(b.links):
+                # links are full duplex: the relay may send back out over the link it received on
+                # (an NVSwitch port, a storage uplink), but no link may carry both legs one way
+                directed = self._directed(a) + self._directed(b)
+                if len(set(directed)) != len(directed):
                     continue
+                # switches may appear in both legs (they forward both ways); links may not
                 nodes = a.nodes + b.nodes[1:]
-                if len(set(nodes)) != len(nodes):
-                    continue
                 paths.append(Path(ptype, nodes, a.links + b.links, (relay.name,)))
         result = tuple(paths)
         self._path_cache[key] = result
         return result
+
+    @staticmethod
+    def _directed(p: Path) -> List[Tuple[int, str]]:
+        return [(lid, p.nodes[i]) for i, lid in enumerate(p.links)]
 
     @staticmethod
     def link_disjoint(p: Path, q: Path) -> bool:

@@ -115,9 +115,17 @@ def make_mock_cluster(nodes: int = 2, gpus_per_node: int = 8, nics_per_node: int
         topo.add_node("spine", NodeKind.SWITCH, "fabric", 0, role="rdma")
         for k in range(nics_per_node):
             topo.add_link(f"leaf{k}", "spine", LinkType.RDMA, nic_gbps * nodes, 3.0)
-    if shared_storage and nics_per_node > 0:
+    if shared_storage:
+        # flexFlow's split of compute NICs (CNIC, GPU traffic) and storage NICs (SNIC): every node
+        # reaches the shared store through its own SNIC and a storage switch, off the compute rails.
+        topo.add_node("storage-switch", NodeKind.SWITCH, "storage", 0, role="storage")
         topo.add_node("shared-storage", NodeKind.STORAGE, "storage", 0)
-        topo.add_link("shared-storage", "leaf0", LinkType.ETHERNET, 25.0, 20.0)
+        topo.add_link("shared-storage", "storage-switch", LinkType.ETHERNET, 12.5 * nodes, 20.0, qos_class="snic")
+        for h in range(nodes):
+            snic = f"n{h}.snic0"
+            topo.add_node(snic, NodeKind.NIC, f"n{h}", 99, role="storage")
+            topo.add_link(snic, f"n{h}.cpu0", LinkType.PCIE, PCIE5_GBPS, 1.0, qos_class="snic")
+            topo.add_link(snic, "storage-switch", LinkType.ETHERNET, 12.5, 10.0, qos_class="snic")
     return topo
 
 

@@ -1,0 +1,147 @@
+"""Every flexFlow rule, on both implementations (compiled core and Python twin)."""
+import pytest
+
+from flexflow_sglang import NodeAgent, PathSelector, PathType, SelectorConfig, Topology, TransferRequest
+from flexflow_sglang.selector import selector_backend
+from flexflow_sglang.topology import make_mock
+
+MiB = 1 << 20
+IMPLS = ["python"] + (["compiled"] if selector_backend() == "compiled" else [])
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    return request.param
+
+
+def mk(mock, impl, **cfg):
+    topo = make_mock(mock)
+    agent = NodeAgent(topo, source="mock")
+    return topo, agent, PathSelector(topo, agent, SelectorConfig(**cfg), impl=impl)
+
+
+def test_idle_direct(impl):
+    _, _, sel = mk("dgx-a100", impl, enable_split_path=False)
+    d = sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB))
+    assert d.chosen_type == PathType.Direct and d.hops == ("gpu0", "gpu1")
+    assert d.estimated_bandwidth == pytest.approx(100.0)
+    assert d.estimated_time_us == pytest.approx(64 * MiB / 100e3 + 2.0)
+    assert not d.qos_violation
+
+
+def test_qos_threshold_rejects_direct(impl):
+    _, agent, sel = mk("dgx-a100", impl, enable_split_path=False)
+    agent.set_utilization("gpu0", "gpu1", 0.81)
+    d = sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB))
+    assert d.chosen_type == PathType.NVLinkRelay
+    assert d.hops[0] == "gpu0" and d.hops[-1] == "gpu1" and len(d.hops) == 3
+    assert "rejected" in d.reason and "gpu0-gpu1" in d.reason and "nvlink" in d.reason
+
+
+def test_threshold_is_configurable(impl):
+    _, agent, sel = mk("dgx-a100", impl, enable_split_path=False, nvlink_util_threshold=0.9, w_qos_risk=0.0,
+                       relay_benefit_margin=10.0)
+    agent.set_utilization("gpu0", "gpu1", 0.85)
+    assert sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB)).chosen_type == PathType.Direct
+
+
+def test_relay_margin(impl):
+    # 23% load: the relay scores better, but by less than the 10% margin -> stay direct
+    _, agent, sel = mk("dgx-a100", impl, enable_split_path=False, w_qos_risk=0.0)
+    agent.set_utilization("gpu0", "gpu1", 0.23)
+    d = sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB))
+    assert d.chosen_type == PathType.Direct and d.reason_code == 5 and "margin" in d.reason
+    # 40% load: the relay wins by far more than the margin
+    agent.set_utilization("gpu0", "gpu1", 0.4)
+    d = sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB))
+    assert d.chosen_type == PathType.NVLinkRelay and d.gain > 0.10
+    # a huge margin keeps direct even then
+    _, agent2, sel2 = mk("dgx-a100", impl, enable_split_path=False, relay_benefit_margin=5.0)
+    agent2.set_utilization("gpu0", "gpu1", 0.4)
+    assert sel2.select(TransferRequest("gpu0", "gpu1", 64 * MiB)).chosen_type == PathType.Direct
+
+
+def test_ttft_penalises_hops(impl):
+    _, agent, sel = mk("dgx-a100", impl, enable_split_path=False)
+    agent.set_utilization("gpu0", "gpu1", 0.5)
+    big = sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB))
+    assert big.chosen_type == PathType.NVLinkRelay
+    small = sel.select(TransferRequest("gpu0", "gpu1", 64 << 10, ttft_sensitive=True))
+    assert small.chosen_type == PathType.Direct
+    # the global TTFT switch does the same
+    _, agent3, sel3 = mk("dgx-a100", impl, enable_split_path=False, ttft_sensitive=True)
+    agent3.set_utilization("gpu0", "gpu1", 0.5)
+    assert sel3.select(TransferRequest("gpu0", "gpu1", 64 << 10)).chosen_type == PathType.Direct
+
+
+def test_split_shares_sum_exactly(impl):
+    _, agent, sel = mk("hosts3", impl)
+    agent.set_utilization("n0", "n2", 0.5)
+    for n in (1, 7, 4096, 64 * MiB + 3, 999_999_937):
+        d = sel.select(TransferRequest("n0", "n2", n))
+        if d.chosen_type != PathType.SplitPath:
+            continue
+        assert sum(b for _, b in d.hops) == n
+        assert sum(s.nbytes for s in d.subpaths) == n
+        legs = d.subpaths
+        assert not set(legs[0].links) & set(legs[1].links)  # link-disjoint
+    d = sel.select(TransferRequest("n0", "n2", 64 * MiB))
+    assert d.chosen_type == PathType.SplitPath
+    shares = {s.nodes: s.nbytes for s in d.subpaths}
+    # weighted by available bandwidth: relay (idle) carries 2x the half-loaded direct link
+    assert shares[("n0", "n1", "n2")] == pytest.approx(2 * shares[("n0", "n2")], rel=1e-6)
+
+
+def test_split_margin_and_switch(impl):
+    _, agent, sel = mk("hosts3", impl, split_benefit_margin=5.0)
+    agent.set_utilization("n0", "n2", 0.5)
+    assert sel.select(TransferRequest("n0", "n2", 64 * MiB)).chosen_type != PathType.SplitPath
+    _, agent, sel = mk("hosts3", impl, enable_split_path=False)
+    assert sel.select(TransferRequest("n0", "n2", 64 * MiB)).chosen_type == PathType.Direct
+    _, agent, sel = mk("hosts3", impl, max_split_paths=1)
+    assert sel.select(TransferRequest("n0", "n2", 64 * MiB)).chosen_type == PathType.Direct
+
+
+def test_storage_relay_when_fast_paths_rejected(impl):
+    _, agent, sel = mk("cluster2x8x4", impl, enable_split_path=False)
+    for k in range(4):
+        agent.set_utilization(f"n0.nic{k}", f"leaf{k}", 0.95)
+    d = sel.select(TransferRequest("n0.gpu0", "n1.gpu0", 64 * MiB))
+    assert d.chosen_type == PathType.StorageRelay and "shared-storage" in d.hops
+    assert not d.qos_violation
+
+
+def test_least_bad_when_everything_rejected(impl):
+    _, agent, sel = mk("hosts3", impl)
+    agent.set_utilization("n0", "n2", 0.95)
+    agent.set_utilization("n0", "n1", 0.9)
+    d = sel.select(TransferRequest("n0", "n2", 64 * MiB))
+    assert d.qos_violation and "QoS not met" in d.reason
+    # least bad = the path with the most available bandwidth (relay's worst link is at 90% vs 95%)
+    assert d.hops == ("n0", "n1", "n2")
+
+
+def test_decision_json_fields(impl):
+    _, _, sel = mk("dgx8", impl)
+    d = sel.select(TransferRequest("gpu0", "cpu0", 16 * MiB)).to_dict()
+    for key in ("chosen_type", "hops", "estimated_bandwidth_gbps", "estimated_time_us", "reason", "qos_violation"):
+        assert key in d
+
+
+def test_bad_requests():
+    with pytest.raises(ValueError):
+        TransferRequest("gpu0", "gpu1", 0)
+    from flexflow_sglang import SelectorError
+    _, _, sel = mk("dgx8", "python")
+    with pytest.raises(SelectorError, match="nosuch"):
+        sel.select(TransferRequest("gpu0", "nosuch", 10))
+
+
+def test_load_update_visible_without_rebuild(impl):
+    _, agent, sel = mk("dgx-a100", impl, enable_split_path=False)
+    req = TransferRequest("gpu0", "gpu1", 64 * MiB)
+    assert sel.select(req).chosen_type == PathType.Direct
+    agent.set_utilization("gpu0", "gpu1", 0.9)
+    assert sel.select(req).chosen_type == PathType.NVLinkRelay
+    agent.set_utilization("gpu0", "gpu1", 0.0)
+    assert sel.select(req).chosen_type == PathType.Direct

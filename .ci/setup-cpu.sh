@@ -13,7 +13,7 @@ PIP=("$VENV/bin/pip" install -q -c "$C")
   apache-tvm-ffi transformers numpy orjson psutil pybase64 requests packaging pillow starlette \
   msgspec pydantic pyzmq tqdm aiohttp IPython dill sentencepiece compressed-tensors gguf einops \
   openai partial_json_parser uvicorn uvloop fastapi setproctitle jsonschema xgrammar soundfile \
-  python-multipart
+  python-multipart prometheus-client
 "${PIP[@]}" --no-deps sglang==0.5.23
 # 2. NIXL without its CUDA torch requirement (UCX + POSIX backends work on CPU)
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1

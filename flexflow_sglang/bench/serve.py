@@ -1,0 +1,264 @@
+"""`flexflow bench serve`: cold vs warm TTFT of the real SGLang server, side by side in one run.
+
+For each backend (plain SGLang, --radix-cache-backend flexflow, and SGLang's own
+--enable-hierarchical-cache when it starts on this machine) a fresh server runs the same multi-turn,
+shared-prefix workload twice: a cold pass, then POST /flush_cache (the device tree is emptied), then a
+warm pass. Reported per backend and pass: TTFT p50/p90/p99 (streamed, time to the first token),
+throughput, host-hit ratio and loaded bytes per second. JSON and a PNG go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+import requests
+from tqdm import tqdm
+
+WORDS = ("the cache radix tree prefix token server model request page block evict hit miss node key value "
+         "batch decode prefill alpha beta gamma delta one two three four five").split()
+
+
+def make_workload(families: int, prefix_words: int, turns: int, turn_words: int, seed: int = 0) -> List[dict]:
+    """`families` conversations; each turn's prompt = a long shared system prefix + all earlier turns."""
+    rng = random.Random(seed)
+    reqs = []
+    for f in range(families):
+        prefix = f"conversation {f}: " + " ".join(rng.choice(WORDS) for _ in range(prefix_words))
+        history = prefix
+        for t in range(turns):
+            history = history + f" turn {t}: " + " ".join(rng.choice(WORDS) for _ in range(turn_words))
+            reqs.append({"id": f"f{f}t{t}", "text": history, "family": f, "turn": t})
+    return reqs
+
+
+def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float = 600.0) -> dict:
+    """Streamed greedy /generate: returns ttft_s, e2e_s and the final meta_info."""
+    body = {"text": text, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    last = None
+    with requests.post(url.rstrip("/") + "/generate", json=body, stream=True, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate -> HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = json.loads(payload)
+    e2e = time.perf_counter() - t0
+    meta = (last or {}).get("meta_info", {})
+    return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "meta": meta,
+            "output_ids": (last or {}).get("output_ids")}
+
+
+def _pct(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run_pass(url: str, reqs: List[dict], max_new_tokens: int, concurrency: int, desc: str) -> dict:
+    t0 = time.perf_counter()
+    results: Dict[str, dict] = {}
+    # turns of one family run in order (each builds on the previous); families run concurrently
+    by_family: Dict[int, List[dict]] = {}
+    for r in reqs:
+        by_family.setdefault(r["family"], []).append(r)
+    bar = tqdm(total=len(reqs), desc=desc, leave=False, mininterval=0.5)
+
+    def family(rs):
+        for r in rs:
+            results[r["id"]] = stream_generate(url, r["text"], max_new_tokens)
+            bar.update(1)
+
+    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as ex:
+        list(ex.map(family, by_family.values()))
+    bar.close()
+    wall = time.perf_counter() - t0
+    ttfts = [v["ttft_s"] for v in results.values()]
+    long_ids = {r["id"] for r in reqs if r["turn"] == max(x["turn"] for x in reqs)}
+    prompt = sum(v["meta"].get("prompt_tokens", 0) for v in results.values())
+    completion = sum(v["meta"].get("completion_tokens", 0) for v in results.values())
+    host = sum(int((v["meta"].get("cached_tokens_details") or {}).get("host", 0) or 0) for v in results.values())
+    device = sum(int((v["meta"].get("cached_tokens_details") or {}).get("device", 0) or 0) for v in results.values())
+    return {
+        "requests": len(results), "wall_s": wall,
+        "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p90_s": _pct(ttfts, 0.9), "ttft_p99_s": _pct(ttfts, 0.99),
+        "ttft_mean_longest_turn_s": statistics.fmean([results[i]["ttft_s"] for i in long_ids]),
+        "throughput_tok_s": (prompt + completion) / wall, "prompt_tokens": prompt,
+        "host_hit_tokens": host, "device_hit_tokens": device, "host_hit_ratio": host / max(prompt, 1),
+        "outputs": {k: v["output_ids"] for k, v in results.items()},
+    }
+
+
+def _flexflow_counters(url: str) -> dict:
+    try:
+        text = requests.get(url.rstrip("/") + "/metrics", timeout=10).text
+    except Exception:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("flexflow_") and " " in line:
+            name, _, val = line.rpartition(" ")
+            try:
+                out[name] = out.get(name, 0.0) + float(val)
+            except ValueError:
+                pass
+    return out
+
+
+def _root_cause(log: str) -> str:
+    """The last exception line of a failed server's log (e.g. why HiCache cannot start on CPU)."""
+    import re
+    try:
+        lines = open(log, errors="replace").read().splitlines()
+    except OSError:
+        return ""
+    hits = [l.strip() for l in lines if re.match(r"^\s*[A-Za-z_.]*(Error|Exception)\b.*:", l)
+            and "Ignore import error" not in l and "ModuleNotFoundError" not in l]
+    where = [l.strip() for l in lines if l.strip().startswith('File "') and "sglang" in l]
+    return (hits[-1] + (f" (at {where[-1]})" if where else "")) if hits else ""
+
+
+def bench_backend(name: str, model: str, workdir: str, reqs: List[dict], args) -> dict:
+    from ..server_utils import SGLangServer, ServerStartError, flush_cache
+    extra = ["--enable-metrics", "--max-running-requests", str(max(4, args.concurrency))]
+    kw = {}
+    if name == "flexflow":
+        kw = {"radix_cache_backend": "flexflow", "flexflow_config": args.config}
+    elif name == "hicache":
+        extra += ["--enable-hierarchical-cache", "--hicache-ratio", "2"]
+    log = os.path.join(workdir, f"server-{name}.log")
+    server = SGLangServer(model, log, extra_args=extra, max_total_tokens=args.max_total_tokens,
+                          page_size=args.page_size, timeout=args.start_timeout, **kw)
+    try:
+        server.start()
+    except ServerStartError as e:
+        return {"backend": name, "ran": False, "error": _root_cause(log) or str(e).splitlines()[0][:300], "log": log}
+    try:
+        flush_cache(server.url)
+        cold = run_pass(server.url, reqs, args.max_new_tokens, args.concurrency, f"{name}/cold")
+        before = _flexflow_counters(server.url)
+        flush_cache(server.url)
+        warm = run_pass(server.url, reqs, args.max_new_tokens, args.concurrency, f"{name}/warm")
+        after = _flexflow_counters(server.url)
+    finally:
+        server.stop()
+    res = {"backend": name, "ran": True, "startup_s": server.startup_s, "cold": cold, "warm": warm, "log": log}
+    loaded = {k: after.get(k, 0) - before.get(k, 0) for k in after if "load" in k and "bytes" in k}
+    if loaded:
+        res["warm_loaded_bytes"] = max(loaded.values())
+        res["warm_loaded_bytes_per_s"] = max(loaded.values()) / warm["wall_s"]
+    return res
+
+
+def summarize(results: List[dict]) -> dict:
+    by = {r["backend"]: r for r in results if r.get("ran")}
+    s = {}
+    for name, r in by.items():
+        s[name] = {"warm_over_cold_ttft_p50": r["warm"]["ttft_p50_s"] / r["cold"]["ttft_p50_s"],
+                   "warm_over_cold_ttft_longest_turn": r["warm"]["ttft_mean_longest_turn_s"]
+                   / r["cold"]["ttft_mean_longest_turn_s"],
+                   "warm_host_hit_ratio": r["warm"]["host_hit_ratio"]}
+    if "baseline" in by and "flexflow" in by:
+        b, f = by["baseline"], by["flexflow"]
+        # miss path: the cold pass (nothing in the host tier yet; flexflow stores as it goes)
+        s["flexflow_cold_throughput_over_baseline"] = f["cold"]["throughput_tok_s"] / b["cold"]["throughput_tok_s"]
+        s["outputs_identical_to_baseline"] = (f["cold"]["outputs"] == b["cold"]["outputs"]
+                                              and f["warm"]["outputs"] == b["cold"]["outputs"])
+    return s
+
+
+def plot(results: List[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ran = [r for r in results if r.get("ran")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = range(len(ran))
+    for i, (pas, color) in enumerate((("cold", "#888888"), ("warm", "#1f77b4"))):
+        ax.bar([k + i * 0.38 for k in x], [r[pas]["ttft_p50_s"] * 1000 for r in ran], 0.38, label=f"{pas} p50",
+               color=color)
+        ax.errorbar([k + i * 0.38 for k in x], [r[pas]["ttft_p50_s"] * 1000 for r in ran],
+                    yerr=[[0] * len(ran), [(r[pas]["ttft_p99_s"] - r[pas]["ttft_p50_s"]) * 1000 for r in ran]],
+                    fmt="none", ecolor="black", capsize=3)
+    ax.set_xticks([k + 0.19 for k in x])
+    ax.set_xticklabels([r["backend"] for r in ran])
+    ax.set_ylabel("TTFT (ms), bar p50, whisker p99")
+    ax.set_title("cold pass vs warm pass after /flush_cache")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="flexflow bench serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/bench-serve")
+    ap.add_argument("--model", default=None, help="model dir (default: the tiny 'bench' preset, built in --out)")
+    ap.add_argument("--backends", default="baseline,flexflow,hicache")
+    ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG (default configs/cpu-dev.yaml)")
+    ap.add_argument("--families", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--prefix-words", type=int, default=1200)
+    ap.add_argument("--turn-words", type=int, default=60)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--max-total-tokens", type=int, default=32768)
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    args = ap.parse_args(argv)
+    from ..config import DEFAULT_CONFIG_PATH
+    from ..cpu_support.tiny_model import make_tiny_model
+    args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model
+    if model is None:
+        model = os.path.join(args.out, "bench-model")
+        from ..cpu_support.tiny_model import PRESETS
+        make_tiny_model(model, **PRESETS["bench"])
+    reqs = make_workload(args.families, args.prefix_words, args.turns, args.turn_words)
+    results = []
+    for name in args.backends.split(","):
+        print(f"== {name}", flush=True)
+        results.append(bench_backend(name.strip(), model, args.out, reqs, args))
+    summary = summarize(results)
+    for r in results:
+        for pas in ("cold", "warm"):
+            if r.get("ran"):
+                r[pas].pop("outputs", None)
+    out = {"command": "flexflow bench serve " + " ".join(argv or sys.argv[1:]), "workload": {
+        "families": args.families, "turns": args.turns, "prefix_words": args.prefix_words,
+        "turn_words": args.turn_words, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency},
+        "results": results, "summary": summary}
+    with open(os.path.join(args.out, "bench_serve.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    plot(results, os.path.join(args.out, "bench_serve.png"))
+    for r in results:
+        if not r.get("ran"):
+            print(f"{r['backend']:<9} did not start: {r['error']}")
+            continue
+        for pas in ("cold", "warm"):
+            p = r[pas]
+            print(f"{r['backend']:<9} {pas}: TTFT p50 {p['ttft_p50_s'] * 1000:8.1f} ms  p90 {p['ttft_p90_s'] * 1000:8.1f}"
+                  f"  p99 {p['ttft_p99_s'] * 1000:8.1f}  longest-turn {p['ttft_mean_longest_turn_s'] * 1000:8.1f} ms  "
+                  f"{p['throughput_tok_s']:8.0f} tok/s  host-hit {p['host_hit_ratio']:.2f}")
+    print(json.dumps(summary, indent=2))
+    print(f"wrote {os.path.join(args.out, 'bench_serve.json')} and bench_serve.png")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Fixtures for the tests that run real SGLang servers on a tiny random model (CPU is fine).
+
+* ``tiny_model`` (session): builds the tiny Llama once into a temp dir (or into
+  ``$FLEXFLOW_TINY_MODEL_DIR`` when set, reused across runs thanks to the builder's marker file).
+* ``sglang_ready`` (session): skips with the import error when ``sglang.launch_server`` cannot be
+  imported in the environment the server would get (CPU stand-ins included).
+* ``start_server`` (function): factory ``start_server(model_path, **SGLangServer kwargs)`` that
+  starts a server, logs to the test's temp dir and always stops it (by PID) at teardown.
+* ``start_server_module``: the same, module-scoped (one server shared by a module's tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:  # pytest's default (prepend) import mode already does this
+    sys.path.insert(0, _HERE)
+
+from server_helpers import REPO_ROOT, repo_env  # noqa: E402
+
+try:
+    _spec = importlib.util.find_spec("flexflow_sglang")
+except Exception:  # a broken top-level package: fall back to the source tree
+    _spec = None
+if _spec is None and str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    pytest.importorskip("tokenizers", reason="tiny model builder needs tokenizers")
+    pytest.importorskip("transformers", reason="tiny model builder needs transformers")
+    pytest.importorskip("torch", reason="tiny model builder needs torch")
+    from flexflow_sglang.cpu_support.tiny_model import make_tiny_model
+
+    out = os.environ.get("FLEXFLOW_TINY_MODEL_DIR") or str(tmp_path_factory.mktemp("tiny-model"))
+    return make_tiny_model(out)
+
+
+@pytest.fixture(scope="session")
+def sglang_ready() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed in this environment")
+    from flexflow_sglang.cpu_support import cpu_server_env
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sglang.launch_server"],
+        env=cpu_server_env(repo_env()), capture_output=True, text=True, timeout=300,
+    )
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        pytest.skip("sglang cannot be imported for a server: "
+                    + (lines[-1] if lines else f"exit status {proc.returncode}")
+                    + " (on CPU run: python -m flexflow_sglang.cpu_support.patch_torchvision)")
+
+
+def _server_factory(log_dir: Path):
+    from flexflow_sglang.server_utils import SGLangServer
+
+    started = []
+
+    def start(model_path, name="server", **kwargs):
+        log_path = kwargs.pop("log_path", None) or str(log_dir / f"{name}-{len(started)}.log")
+        srv = SGLangServer(model_path, log_path=log_path, **kwargs)
+        started.append(srv)
+        return srv.start()
+
+    return start, started
+
+
+@pytest.fixture
+def start_server(sglang_ready, tmp_path):
+    start, started = _server_factory(tmp_path)
+    yield start
+    for srv in reversed(started):
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def start_server_module(sglang_ready, tmp_path_factory):
+    start, started = _server_factory(tmp_path_factory.mktemp("server-logs"))
+    yield start
+    for srv in reversed(started):
+        srv.stop()

@@ -1,0 +1,126 @@
+"""Unit tests (no server): verify_outputs' comparison logic, inputs, CLI errors; the prompt set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flexflow_sglang import verify_outputs as vo
+
+from server_helpers import PROMPTS_FILE, REPO_ROOT, repo_env
+
+BASE = {"output_ids": [5, 6, 7, 8], "text": " cache tree", "prompt_tokens": 20, "prompt_sha256": "abc"}
+
+
+def res(ids=(5, 6, 7, 8), text=" cache tree", prompt_tokens=20, device=0, host=0):
+    return {"output_ids": list(ids), "text": text, "prompt_tokens": prompt_tokens,
+            "cached_tokens": device + host, "device_cached": device, "host_cached": host}
+
+
+def test_compare_identical():
+    assert vo.compare_outputs(BASE, res()) == []
+
+
+def test_compare_ids_and_text_differences():
+    p = vo.compare_outputs(BASE, res(ids=(5, 6, 9, 8), text=" cache trees"))
+    assert len(p) == 2
+    assert "output_ids differ at index 2 (expected 7, got 9" in p[0]
+    assert "text differs at char 11" in p[1]
+    short = vo.compare_outputs(BASE, res(ids=(5, 6, 7)))
+    assert "index 3 (expected 8, got <end>; lengths 4/3)" in short[0]
+
+
+def test_compare_text_only_difference_is_caught():
+    assert len(vo.compare_outputs(BASE, res(text=" cache tre\u00e9"))) == 1
+
+
+def test_normalize_response_handles_missing_details():
+    r = vo.normalize_response({"text": "x", "output_ids": [1], "meta_info": {
+        "prompt_tokens": 9, "cached_tokens": 0, "cached_tokens_details": None}})
+    assert (r["host_cached"], r["device_cached"], r["prompt_tokens"]) == (0, 0, 9)
+    r = vo.normalize_response({"text": "x", "output_ids": [1], "meta_info": {
+        "prompt_tokens": 9, "cached_tokens": 8, "cached_tokens_details": {"device": 3, "host": 5}}})
+    assert (r["host_cached"], r["device_cached"], r["cached_tokens"]) == (5, 3, 8)
+
+
+def test_host_hit_check():
+    assert vo.host_hit_check(res(host=19)) == (None, None)
+    problem, skipped = vo.host_hit_check(res(device=19))
+    assert "no host hit" in problem and skipped is None
+    problem, skipped = vo.host_hit_check(res(prompt_tokens=4), min_tokens=8)
+    assert problem is None and "4 tokens < min 8" in skipped
+
+
+def test_evaluate_prompt_counts():
+    ok = vo.evaluate_prompt("p", BASE, res(), res(host=19), text_hash="abc")
+    assert ok.ok and ok.mismatches == 0 and ok.line().startswith("[ok  ] p")
+    both_bad = vo.evaluate_prompt("p", BASE, res(ids=(1,)), res(ids=(1,)), text_hash="abc")
+    assert both_bad.mismatches == 3  # R1, R2, missing host hit
+    no_host_req = vo.evaluate_prompt("p", BASE, res(), res(), require_host_hit=False)
+    assert no_host_req.ok
+    failed = vo.evaluate_prompt("p", BASE, "HTTP 400: busy", res(host=3))
+    assert failed.mismatches == 1 and "R1 request failed: HTTP 400" in failed.problems[0]
+    missing = vo.evaluate_prompt("p", None, res(), res(host=3))
+    assert missing.mismatches == 1 and "not in baseline" in missing.problems[0]
+    changed = vo.evaluate_prompt("p", BASE, res(), res(host=3), text_hash="other")
+    assert changed.mismatches == 1 and "changed" in changed.problems[0]
+    short = vo.evaluate_prompt("p", dict(BASE, prompt_tokens=4), res(prompt_tokens=4),
+                               res(prompt_tokens=4), min_host_tokens=8)
+    assert short.ok and "skipped" in short.line()
+    assert vo.total_mismatches([ok, both_bad, failed, short]) == 4
+
+
+def test_load_prompts_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": 1, "text": "a"}\n\n{"id": "1", "text": "b"}\n')
+    with pytest.raises(vo.UsageError, match="duplicate prompt id '1'"):
+        vo.load_prompts(str(f))
+    f.write_text('{"id": "a"}\n')
+    with pytest.raises(vo.UsageError, match='"id" and "text"'):
+        vo.load_prompts(str(f))
+    with pytest.raises(vo.UsageError, match="cannot read prompts file"):
+        vo.load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_bundled_prompt_set_is_generated_and_well_formed(tmp_path):
+    prompts = vo.load_prompts(str(PROMPTS_FILE))
+    assert 12 <= len(prompts) <= 16
+    ids = [p["id"] for p in prompts]
+    assert {"short-0", "long-1", "famA-0", "famB-2"} <= set(ids)
+    fam_a = [p["text"] for p in prompts if p["id"].startswith("famA-")]
+    common = len(__import__("os").path.commonprefix(fam_a).split())
+    assert len(fam_a) == 3 and common >= 1000  # long shared prefix
+    assert max(len(p["text"].split()) for p in prompts) < 3000  # ~1.08 tokens per word
+    out = tmp_path / "regen.jsonl"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "flexflow_sglang/data/make_prompts.py"), str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == PROMPTS_FILE.read_bytes()  # committed file == deterministic output
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "flexflow_sglang.verify_outputs", *args],
+                          env=repo_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_cli_unreachable_server_is_a_clear_error(tmp_path):
+    from flexflow_sglang.server_utils import find_free_port
+
+    url = f"http://127.0.0.1:{find_free_port()}"
+    p = _cli("--phase", "baseline", "--url", url, "--prompts", str(PROMPTS_FILE), "--out", str(tmp_path / "b.json"))
+    assert p.returncode == 2
+    assert "cannot reach the SGLang server at " + url in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_cli_usage_errors(tmp_path):
+    p = _cli("--phase", "test", "--url", "http://127.0.0.1:1", "--prompts", str(PROMPTS_FILE))
+    assert p.returncode == 2 and "needs --baseline" in p.stderr
+    bad = tmp_path / "b.json"
+    bad.write_text(json.dumps({"something": 1}))
+    p = _cli("--phase", "test", "--url", "http://127.0.0.1:1", "--prompts", str(PROMPTS_FILE), "--baseline", str(bad))
+    assert p.returncode == 2 and "is not a verify_outputs baseline" in p.stderr
+    assert "Traceback" not in p.stderr

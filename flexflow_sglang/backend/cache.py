@@ -1,0 +1,451 @@
+"""FlexFlowRadixCache: SGLang's RadixCache with a host tier behind it, reached through the connector.
+
+The device tree is RadixCache's, unchanged. What this subclass adds, in SGLang's vocabulary:
+- match_prefix(req=...) reports `host_hit_length`: whole pages beyond the device prefix that the
+  connector holds, within the key's limit, MIN-agreed across the scheduling ranks;
+- init_load_back materialises them: lock the anchor, evict the shortfall, allocate, load all or
+  nothing, insert under the anchor, unlock. A failed or corrupt load is a miss: (0, anchor), and
+  every slot it allocated is freed;
+- checkpoint of a finished request stores its tree-owned KV (write_through), or evict stores the
+  victims before freeing them (on_evict); host copies outlive device eviction and flush_cache.
+
+Invariants kept: no KV slot is held outside the tree when idle; every lock this class takes is
+released exactly once (or forgotten on reset); values that steer scheduling are rank-agreed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from array import array
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import (
+    CacheRequestHandle,
+    EvictParams,
+    EvictResult,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+    MatchResult,
+)
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from .rank_sync import RankSync, describe
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from ..connector import FlexFlowConnector
+
+logger = logging.getLogger(__name__)
+
+#: per-request suffix-key memos kept at most (requests drop theirs in on_release)
+MAX_KEY_MEMOS = 512
+#: match_prefix hashes and looks up pages beyond the device prefix in chunks that grow by 4x, so a
+#: miss costs one small chunk of hashing, not the whole prompt
+LOOKUP_CHUNK_PAGES = 16
+
+class _HostHit:
+    """What match_prefix promised for one request attempt; consumed by init_load_back."""
+    __slots__ = ("anchor", "device_len", "hit_len", "keys", "tokens", "extra_key", "cache_salt", "bigram")
+
+    def __init__(self, anchor, device_len, hit_len, keys, tokens, extra_key, cache_salt, bigram):
+        self.anchor, self.device_len, self.hit_len, self.keys = anchor, device_len, hit_len, keys
+        self.tokens, self.extra_key, self.cache_salt, self.bigram = tokens, extra_key, cache_salt, bigram
+
+
+class _KeyMemo:
+    """Keys of one request's pages past its device prefix: chained from `prev` (the key ending the
+    anchor's path), starting at page `first`, over the token snapshot `tokens`."""
+    __slots__ = ("prev", "first", "tokens", "keys")
+
+    def __init__(self, prev, first, tokens, keys):
+        self.prev, self.first, self.tokens, self.keys = prev, first, tokens, keys
+
+
+def _as_array(tokens) -> array:
+    if isinstance(tokens, array) and tokens.typecode == "q":
+        return tokens
+    return array("q", tokens)
+
+
+class FlexFlowRadixCache(RadixCache):
+    is_flexflow = True
+
+    def __init__(self, params, *, ctx=None, connector: "Optional[FlexFlowConnector]" = None, config=None):
+        # RadixCache.__init__ ends with self.reset(): everything reset() reads must exist first
+        self.connector = None
+        self.write_policy = "write_through"
+        self._host_hits: Dict[CacheRequestHandle, _HostHit] = {}
+        self._key_memo: "OrderedDict[CacheRequestHandle, _KeyMemo]" = OrderedDict()
+        self._inflight: Deque[Tuple[Any, Any]] = deque()  # (StoreHandle, TreeLock), issue order
+        self._released = False
+        self._prom = None
+        self._m: Dict[str, int] = {k: 0 for k in (
+            "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
+            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements")}
+        super().__init__(params)
+        self.rank_sync = RankSync.from_params(params)
+        if connector is None:
+            from ..connector import FlexFlowConnector
+            connector = FlexFlowConnector.from_sglang(params, ctx=ctx, config=config)
+        if connector.page_size != self.page_size:
+            raise ValueError(f"connector page size {connector.page_size} != tree page size {self.page_size}")
+        self.connector = connector
+        self.write_policy = connector.write_policy
+        self._prom = None
+        if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics: export on /metrics
+            try:
+                from .prom import maybe_exporter
+                self._prom = maybe_exporter(True, getattr(ctx, "tp_rank", 0) if ctx is not None else 0)
+            except Exception:  # noqa: BLE001 - metrics never block serving
+                logger.exception("flexflow: Prometheus exporter unavailable")
+        logger.info("FlexFlowRadixCache: page size %d, write policy %s, rank agreement: %s",
+                    self.page_size, self.write_policy, describe(self.rank_sync))
+
+    # ================================================================= lifecycle
+    def reset(self):
+        conn = getattr(self, "connector", None)
+        if conn is not None and not conn.closed:
+            try:
+                if self.write_policy == "on_evict":
+                    self._store_tree()  # flush_cache drops the whole device tree: keep it on the host
+                conn.poll()  # queued stores read tree slots that are about to be reused: finish them
+            except Exception:  # noqa: BLE001 - a failed backup must not block a flush
+                logger.exception("flexflow: backing up the tree before reset failed")
+            conn.reset()
+        super().reset()
+        # the old tree is gone: its locks are forgotten, never released
+        self._inflight.clear()
+        self._host_hits.clear()
+        self._key_memo.clear()
+
+    def release_host_resources(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self.connector is not None:
+            self.connector.close()
+        self.rank_sync.close()
+
+    def invalidate_host_tiers(self, reason: str = "") -> None:
+        """Drop every host/deeper copy (their KV is stale, e.g. after a weight update)."""
+        if self.connector is not None and not self.connector.closed:
+            logger.info("flexflow: clearing host tiers%s", f" ({reason})" if reason else "")
+            self.connector.poll()
+            self._drain()
+            self.connector.clear()
+
+    # ================================================================= match / load back
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        res = super().match_prefix(params)
+        req = params.req
+        if req is None or self.connector is None or self.disable or self.connector.closed:
+            return res
+        handle = req.cache_request_handle
+        self._host_hits.pop(handle, None)
+        key = params.key
+        ps = self.page_size
+        total_pages = len(key) // ps  # len() honours the key's limit and bigram view
+        dev = res.device_prefix_len
+        if total_pages * ps <= dev:  # identical on every rank: no agreement needed
+            return res
+        bigram = key.is_bigram
+        raw = _as_array(key.raw_token_ids())
+        anchor = res.best_match_node
+        prev = self._chain_end(anchor, key.extra_key, key.cache_salt, bigram)
+        first = dev // ps
+        # hash and look up lazily: stop at the first page no tier holds
+        hit_pages, end, chunk = 0, first, LOOKUP_CHUNK_PAGES
+        keys: List[bytes] = []
+        while end < total_pages:
+            stop = min(total_pages, end + chunk)
+            keys = self._suffix_keys(handle, prev, raw, first, stop, bigram)
+            m = self.connector.lookup(keys[end - first:])
+            hit_pages += m
+            if end + m < stop:
+                break
+            end, chunk = stop, chunk * 4
+        if self.rank_sync.active:
+            self._m["agreements"] += 1
+            hit_pages = self.rank_sync.agree_min([hit_pages])[0]
+        if hit_pages <= 0:
+            return res
+        hit = hit_pages * ps
+        tokens = raw[: dev + hit + (1 if bigram else 0)]  # snapshot: the request's array keeps growing
+        self._host_hits[handle] = _HostHit(anchor, dev, hit, keys[:hit_pages], tokens, key.extra_key,
+                                           key.cache_salt, bigram)
+        self._m["host_hit_matches"] += 1
+        return res._replace(host_hit_length=hit)
+
+    def init_load_back(self, params: InitLoadBackParams) -> Optional[Tuple[int, Any]]:
+        anchor = params.best_match_node
+        n = params.host_hit_length
+        req = params.req
+        if n <= 0 or req is None or self.connector is None:
+            return 0, anchor
+        hit = self._host_hits.pop(req.cache_request_handle, None)
+        if not self._attached(anchor):
+            return None  # the tree changed under the match: re-match next step (same on every rank)
+        if (hit is None or hit.anchor is not anchor or hit.hit_len != n
+                or len(self.path_device_indices(anchor)) != hit.device_len):
+            self._m["load_back_stale"] += 1
+            return 0, anchor
+        alloc = self.token_to_kv_pool_allocator
+        lock = self.lock(anchor)  # eviction below must not take the anchor or its ancestors
+        slots = None
+        try:
+            short = n - alloc.available_size()
+            if short > 0:
+                self.evict(EvictParams(num_tokens=short))
+            slots = alloc.alloc(n)
+            ok = slots is not None and slots.numel() == n
+            if ok:
+                ok = self.connector.load(hit.keys, slots)
+            deep_pages = self.connector.last_load_deep_pages if ok else 0
+            if self.rank_sync.active:
+                self._m["agreements"] += 1
+                ok = self.rank_sync.agree_all(ok)
+            if not ok:
+                if slots is not None:
+                    alloc.free(slots)
+                    slots = None
+                self._m["load_back_failures"] += 1
+                return 0, anchor
+            key = RadixKey(hit.tokens, hit.extra_key, is_bigram=hit.bigram, cache_salt=hit.cache_salt)
+            value = torch.cat([self.path_device_indices(anchor), slots.to(torch.int64)])
+            result = self.insert(InsertParams(key=key[: hit.device_len + n], value=value,
+                                              priority=getattr(req, "priority", None) or 0))
+            if result.prefix_len > hit.device_len:  # the tree already had part of it: free our copies
+                alloc.free(slots[: result.prefix_len - hit.device_len])
+            slots = None
+            if deep_pages:
+                req.storage_hit_length = deep_pages * self.page_size
+                self._m["storage_hit_tokens"] += deep_pages * self.page_size
+            self._m["load_backs"] += 1
+            self._m["load_back_tokens"] += n
+            return n, result.last_device_node
+        except Exception:
+            if slots is not None:
+                alloc.free(slots)
+            raise
+        finally:
+            self.unlock(lock)
+
+    def _attached(self, node: TreeNode) -> bool:
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or node.evicted or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            node = parent
+        return True
+
+    # ================================================================= store side
+    def checkpoint(self, req: "Req", *, up_to: int):
+        super().checkpoint(req, up_to=up_to)
+        if (self.connector is None or self.disable or self.write_policy != "write_through"
+                or not req.finished() or self.connector.closed):
+            return
+        npages = req.kv.cache_protected_len // self.page_size
+        if npages <= 0:
+            return
+        keys = self._path_keys(req.last_node)[:npages]  # cached per node: only new nodes are hashed
+        slots = self.path_device_indices(req.last_node)[: npages * self.page_size]
+        self._store(keys, slots, req.last_node)
+
+    def _store(self, keys: List[bytes], slots: torch.Tensor, node: TreeNode) -> None:
+        handle = self.connector.store(keys, slots)
+        self._m["stores_issued"] += 1
+        if self.connector.defer_stores:
+            # the copy reads these slots later: keep them out of eviction until it is acknowledged
+            self._inflight.append((handle, self.lock(node)))
+
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return EvictResult()
+        if self.connector is None or self.connector.closed:
+            return super().evict(params)
+        self.poll()
+        if self.write_policy != "on_evict":
+            return super().evict(params)
+        # RadixCache.evict, with the frees deferred until the victims are on the host
+        start = time.perf_counter()
+        heap = [(self.eviction_strategy.get_priority(x), x) for x in self.evictable_leaves]
+        heapq.heapify(heap)
+        victims: List[TreeNode] = []
+        keys: List[bytes] = []
+        num = 0
+        while num < params.num_tokens and heap:
+            _, x = heapq.heappop(heap)
+            keys.extend(self._node_page_keys(x))  # before the leaf leaves the tree
+            victims.append(x)
+            num += len(x.value)
+            self._delete_leaf(x)
+            if len(x.parent.children) == 0 and x.parent.lock_ref == 0:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(x.parent), x.parent))
+            self.kv_events.record_remove(x)
+        if victims:
+            slots = torch.cat([x.value for x in victims])
+            try:
+                self.connector.store(keys, slots)
+                self.connector.poll()  # the copy must be complete before the slots are freed
+                self._m["on_evict_stores"] += 1
+            except Exception:  # noqa: BLE001 - the pages just become device-only misses
+                logger.exception("flexflow: on-evict store failed")
+            for x in victims:
+                self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
+        self.update_eviction_metrics(num, start)
+        return EvictResult(num_tokens_evicted=num)
+
+    def _store_tree(self) -> None:
+        """Store every node of the device tree (on_evict policy, before reset drops it)."""
+        keys: List[bytes] = []
+        values = []
+        stack = list(self.root_node.children.values())
+        while stack:
+            x = stack.pop()
+            if x.evicted:
+                continue
+            keys.extend(self._node_page_keys(x))
+            values.append(x.value)
+            stack.extend(x.children.values())
+        if values:
+            self.connector.store(keys, torch.cat(values))
+
+    # ================================================================= polling
+    def poll(self) -> None:
+        """Advance queued transfers and release the locks of acknowledged stores (rank-agreed)."""
+        if self.connector is None or self.connector.closed:
+            return
+        self.connector.poll()
+        self._drain()
+        if self._prom is not None:
+            self._prom.update(self._prom_metrics())  # throttled inside
+
+    def _prom_metrics(self) -> Dict[str, Any]:
+        m = self.connector.metrics()
+        m["cache"] = {k: v for k, v in self._m.items()}
+        m["cache"]["inflight_stores"] = len(self._inflight)
+        return m
+
+    def _drain(self) -> None:
+        if not self._inflight:  # same length on every rank: stores are issued at identical points
+            return
+        done = 0
+        for h, _ in self._inflight:
+            if not h.done:
+                break
+            done += 1
+        if self.rank_sync.active:
+            self._m["agreements"] += 1
+            done = self.rank_sync.agree_min([done])[0]
+        for _ in range(done):
+            _, lock = self._inflight.popleft()
+            self.unlock(lock)
+
+    def flush_pending_backups(self) -> None:
+        self.poll()
+
+    def check_hicache_events(self) -> None:
+        self.poll()
+
+    def ready_to_load_host_cache(self) -> None:
+        return None  # loads are complete when init_load_back returns
+
+    def has_unlanded_loads(self) -> bool:
+        return False
+
+    # ================================================================= per-request state
+    def on_release(self, req: "Req", *, checkpointed: bool) -> None:
+        self._forget(req.cache_request_handle)
+
+    def release_aborted_request(self, handle: CacheRequestHandle) -> None:
+        self._forget(handle)
+
+    def _forget(self, handle: CacheRequestHandle) -> None:
+        self._host_hits.pop(handle, None)
+        self._key_memo.pop(handle, None)
+
+    # ================================================================= keys
+    def _node_page_keys(self, node: TreeNode) -> List[bytes]:
+        """Page keys of `node`'s own pages, cached on the node (`_ff_keys`, split with it). A node's
+        tokens and ancestors never change, so its keys are computed once per node lifetime."""
+        keys = getattr(node, "_ff_keys", None)
+        if keys is not None:
+            return keys
+        path = []
+        x = node
+        while x is not self.root_node and getattr(x, "_ff_keys", None) is None:
+            path.append(x)
+            x = x.parent
+        bigram = node.key.is_bigram
+        conn = self.connector
+        prev = x._ff_keys[-1] if x is not self.root_node else \
+            conn.namespace_seed(node.key.extra_key, node.key.cache_salt, bigram)
+        for y in reversed(path):
+            raw = y.key.token_ids[: len(y.key) + (1 if bigram else 0)]
+            ks = conn.chain_keys(prev, raw, len(y.key) // self.page_size, bigram)
+            y._ff_keys = ks
+            if ks:
+                prev = ks[-1]
+        return node._ff_keys
+
+    def _path_keys(self, node: TreeNode) -> List[bytes]:
+        nodes = []
+        while node is not self.root_node:
+            nodes.append(node)
+            node = node.parent
+        keys: List[bytes] = []
+        for x in reversed(nodes):
+            keys.extend(self._node_page_keys(x))
+        return keys
+
+    def _chain_end(self, node: TreeNode, extra_key, cache_salt, bigram: bool) -> bytes:
+        """The key ending the path to `node` (the namespace seed at the root)."""
+        if node is self.root_node:
+            return self.connector.namespace_seed(extra_key, cache_salt, bigram)
+        return self._node_page_keys(node)[-1]
+
+    def _split_node(self, key, child, split_len):
+        new_node = super()._split_node(key, child, split_len)
+        keys = getattr(child, "_ff_keys", None)
+        if keys is not None:  # the parent part takes the leading pages' keys
+            k = split_len // self.page_size
+            new_node._ff_keys, child._ff_keys = keys[:k], keys[k:]
+        return new_node
+
+    def _suffix_keys(self, handle, prev: bytes, raw: array, first: int, end: int, bigram: bool) -> List[bytes]:
+        """Keys of pages [first, end) of `raw`, chained from `prev`; memoised per request attempt and
+        extended when asked for more (the same request is matched several times per step)."""
+        ps = self.page_size
+        extra = 1 if bigram else 0
+        lo = first * ps
+        want = end - first
+        memo = self._key_memo.get(handle)
+        if memo is not None and memo.prev == prev and memo.first == first \
+                and raw[lo:lo + len(memo.tokens)] == memo.tokens:
+            have = len(memo.keys)
+            if have < want:
+                more = self.connector.chain_keys(memo.keys[-1] if have else prev,
+                                                 raw[lo + have * ps:lo + want * ps + extra], want - have, bigram)
+                memo.keys = memo.keys + more
+                memo.tokens = raw[lo:lo + want * ps + extra]
+            self._key_memo.move_to_end(handle)
+            return memo.keys[:want]
+        keys = self.connector.chain_keys(prev, raw[lo:lo + want * ps + extra], want, bigram)
+        self._key_memo[handle] = _KeyMemo(prev, first, raw[lo:lo + want * ps + extra], keys)
+        while len(self._key_memo) > MAX_KEY_MEMOS:
+            self._key_memo.popitem(last=False)
+        return keys
+
+    # ================================================================= metrics
+    def metrics(self) -> Dict[str, Any]:
+        m: Dict[str, Any] = dict(self._m)
+        m["inflight_stores"] = len(self._inflight)
+        if self.connector is not None and not self.connector.closed:
+            m["connector"] = self.connector.metrics()
+        return m

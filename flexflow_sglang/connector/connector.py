@@ -1,0 +1,459 @@
+"""FlexFlowConnector: the one object the radix cache talks to for KV outside the device pool.
+
+It owns the host tier, the deeper tiers (KVTier list, possibly empty), a PathSelector with its
+NodeAgent, and the TransferExecutor. The cache decides what to look up, load and store; the
+connector moves the bytes and reports failures as results (False / a failed handle), never as
+exceptions across the scheduler loop.
+
+Keys: `page_keys` chains a 32-byte blake2b per full page over the whole prefix, seeded with the
+model/layout fingerprint and the request namespace (extra_key, cache_salt), so a key names the KV
+of one page *given everything before it*, on this rank's shard of this model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
+
+import torch
+
+from ..config import FlexFlowConfig, build_topology, load_config
+from ..errors import ConfigError
+from .executors import TransferExecutor
+from .host_tier import HostTier, contiguous_runs
+from .layout import KVLayout
+from .tiers import KVTier
+
+logger = logging.getLogger(__name__)
+
+KEY_BYTES = 32  # blake2b digest; the deeper tiers expect 32-byte keys
+#: host tier pages are never fewer than this, whatever the configured capacity
+MIN_HOST_PAGES = 4
+
+
+def _token_bytes(token_ids) -> bytes:
+    if isinstance(token_ids, array) and token_ids.typecode == "q":
+        return token_ids.tobytes()
+    if isinstance(token_ids, torch.Tensor):
+        return token_ids.to(torch.int64).cpu().numpy().tobytes()
+    return array("q", token_ids).tobytes()
+
+
+@dataclass
+class StoreHandle:
+    """What `store` returns. `done` turns True once the host copy is complete (or failed);
+    the device slots must stay valid until then. `ok` says whether every page is now held."""
+    pages: int
+    done: bool = False
+    ok: bool = False
+    stored_pages: int = 0
+    _work: Any = field(default=None, repr=False)
+
+
+class FlexFlowConnector:
+    def __init__(self, layout: KVLayout, config: Optional[FlexFlowConfig] = None, *,
+                 fingerprint: Optional[Mapping[str, Any]] = None, tiers: Sequence[KVTier] = (),
+                 topology=None, agent=None, device_index: int = 0, defer_stores: bool = False,
+                 start_agent: bool = True):
+        from ..monitor import NodeAgent
+        from ..selector import PathSelector
+
+        self.config = config if config is not None else load_config()
+        hc = self.config.host_tier
+        self.layout = layout
+        self.page_size = layout.page_size
+        self.write_policy = hc.write_policy
+        # stores wait in a queue until poll() when deferred (tests; the async shape CUDA will use)
+        self.defer_stores = defer_stores
+        self._closed = False
+
+        self.topology = topology if topology is not None else build_topology(self.config)
+        gpus = self.topology.nodes_of_kind("gpu")
+        if not gpus:
+            raise ConfigError(f"topology {self.topology.name!r} has no GPU node to stand for the device KV pool; "
+                              "use topology.source: mock (e.g. mock: single) on machines without GPUs")
+        dev = next((g for g in gpus if g.index == device_index), gpus[0])
+        self.device_node = dev.name
+        self.host_node = self.topology.host_memory(host=dev.host, near=dev.name).name
+        self._own_agent = agent is None
+        if agent is None:
+            mc = self.config.monitor
+            agent = NodeAgent(self.topology, mc.sample_interval_ms, source=mc.source, sysfs_root=mc.sysfs_root,
+                              feedback_half_life_ms=mc.feedback_half_life_ms)
+            if start_agent:
+                agent.start()
+        self.agent = agent
+        self.selector = PathSelector(self.topology, agent, self.config.selector, impl=self.config.selector_impl)
+        self.executor = TransferExecutor(layout, self.selector, agent, self.device_node, self.host_node,
+                                         ttft_sensitive=self.config.selector.ttft_sensitive)
+
+        cap_pages = self._capacity_pages(hc, layout)
+        pin = hc.pin_memory == "always" or (hc.pin_memory == "auto" and torch.cuda.is_available()
+                                           and layout.device.type == "cuda")
+        self.host = HostTier(layout.page_words, layout.word_dtype, cap_pages, node=self.host_node,
+                             verify_checksums=hc.verify_checksums, pin_memory=pin)
+        self.tiers: List[KVTier] = list(tiers)
+
+        self._fingerprint = dict(fingerprint or {})
+        self._fingerprint.setdefault("layout", layout.describe())
+        self._fingerprint.setdefault("page_size", layout.page_size)
+        self._seed = hashlib.blake2b(repr(sorted(self._fingerprint.items())).encode(), digest_size=KEY_BYTES).digest()
+        self._queue: Deque[StoreHandle] = deque()
+        self.last_load_deep_pages = 0
+        self._m: Dict[str, int] = {k: 0 for k in (
+            "lookups", "lookup_pages_host", "lookup_pages_deep", "loads", "load_failures", "pages_loaded",
+            "pages_loaded_host", "pages_loaded_deep", "stores", "store_failures", "pages_stored", "pages_deduplicated",
+            "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled")}
+        self._hits_by_tier: Dict[str, int] = {"host": 0}
+        logger.info("flexflow connector: %s; host tier %d pages (%.1f MiB%s) on %s, policy %s, checksums %s, "
+                    "device node %s, deeper tiers %s", layout.describe(), cap_pages,
+                    cap_pages * layout.page_nbytes / 2**20, ", pinned" if pin else "", self.host_node,
+                    self.write_policy, "on" if hc.verify_checksums else "off", self.device_node,
+                    [t.name for t in self.tiers] or "none")
+
+    @staticmethod
+    def _capacity_pages(hc, layout: KVLayout) -> int:
+        if hc.capacity_tokens is not None:
+            pages = hc.capacity_tokens // layout.page_size
+        else:
+            pages = int(hc.capacity_gb * (1 << 30)) // layout.page_nbytes
+        return max(MIN_HOST_PAGES, pages)
+
+    # ----------------------------------------------------------------- construction from SGLang
+    @classmethod
+    def from_sglang(cls, params, ctx=None, config: Optional[FlexFlowConfig] = None, **kw) -> "FlexFlowConnector":
+        """Build from CacheInitParams (+ the TreeCacheBuildContext when a server builds it)."""
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        layout = KVLayout.from_pool(kvcache, params.page_size)
+        fp = {"dtype": str(layout.store_dtype), "layers": layout.layer_num, "rows": layout.row_shapes,
+              "start_layer": getattr(kvcache, "start_layer", 0), "pp_rank": params.pp_rank, "pp_size": params.pp_size,
+              "attn_cp_rank": params.attn_cp_rank, "attn_cp_size": params.attn_cp_size}
+        device_index = layout.device.index or 0
+        if ctx is not None:
+            sa = ctx.server_args
+            fp.update(model=getattr(sa, "model_path", None), revision=getattr(sa, "revision", None),
+                      tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+            try:
+                from sglang.srt.runtime_context import get_parallel
+                par = get_parallel()
+                fp.update(attn_tp_rank=par.attn_tp_rank, attn_tp_size=par.attn_tp_size)
+            except Exception:  # noqa: BLE001 - no published context (tests); tp_rank already names the shard
+                pass
+            runner = getattr(ctx.tp_worker, "model_runner", None)
+            gpu_id = getattr(runner, "gpu_id", None)
+            if isinstance(gpu_id, int):
+                device_index = gpu_id
+        conn = cls(layout, config, fingerprint=fp, device_index=device_index, **kw)
+        if ctx is not None and layout.device.type == "cuda":
+            runner = getattr(ctx.tp_worker, "model_runner", None)
+            conn.executor.wait_stream = getattr(runner, "forward_stream", None)
+        return conn
+
+    # ----------------------------------------------------------------- keys
+    def namespace_seed(self, extra_key=None, cache_salt=None, bigram: bool = False) -> bytes:
+        ns = repr((extra_key, cache_salt or None, bool(bigram))).encode()
+        return hashlib.blake2b(self._seed + ns, digest_size=KEY_BYTES).digest()
+
+    def chain_keys(self, prev: bytes, token_ids, num_pages: int, bigram: bool = False) -> List[bytes]:
+        """`num_pages` chained keys after `prev` over `token_ids` (page j = tokens [j*ps, (j+1)*ps),
+        plus the next token for EAGLE bigram keys)."""
+        ps = self.page_size
+        raw = _token_bytes(token_ids)
+        step, extra = ps * 8, 8 if bigram else 0
+        if len(raw) < num_pages * step + extra:
+            raise ValueError(f"{len(raw) // 8} tokens cannot make {num_pages} pages of {ps}")
+        out = []
+        h = prev
+        blake = hashlib.blake2b
+        for j in range(num_pages):
+            h = blake(h + raw[j * step:(j + 1) * step + extra], digest_size=KEY_BYTES).digest()
+            out.append(h)
+        return out
+
+    def page_keys(self, token_ids, extra_key=None, cache_salt=None, *, bigram: bool = False) -> List[bytes]:
+        """One key per full page of `token_ids` (the whole prefix from position 0)."""
+        n = len(token_ids) - (1 if bigram else 0)
+        return self.chain_keys(self.namespace_seed(extra_key, cache_salt, bigram), token_ids,
+                               max(0, n) // self.page_size, bigram)
+
+    # ----------------------------------------------------------------- lookup / load
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading pages of `keys` available in the host tier or, page by page, the deeper tiers.
+        (Host LRU evicts a prefix's oldest pages first, so a prefix often starts in a deeper tier
+        and continues in host memory.)"""
+        self._m["lookups"] += 1
+        total = len(keys)
+        n = self.host.contains_prefix(keys)
+        in_host = n
+        while n < total and self.tiers:
+            m = 0
+            for tier in self.tiers:
+                try:
+                    m = tier.contains_prefix(keys[n:])
+                except Exception:  # noqa: BLE001 - a broken tier is a miss
+                    logger.exception("flexflow: tier %s lookup failed", tier.name)
+                    m = 0
+                if m > 0:
+                    break
+            if m <= 0:
+                break
+            self._m["lookup_pages_deep"] += m
+            n += m
+            more = self.host.contains_prefix(keys[n:])
+            in_host += more
+            n += more
+        self._m["lookup_pages_host"] += in_host
+        return n
+
+    def load(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> bool:
+        """Fill the device pool at `device_slots` (len(keys) * page_size page-aligned slots) with the
+        pages of `keys`: all or nothing, checksums verified, complete when this returns. A failure
+        (missing page, checksum mismatch, copy error) returns False and writes no device slot."""
+        self.last_load_deep_pages = 0
+        n = len(keys)
+        if n == 0:
+            return True
+        self._m["loads"] += 1
+        try:
+            dev_pages = self._device_pages(device_slots, n)
+            host_pages = [self.host.page_of(k) for k in keys]
+            in_host = [i for i, p in enumerate(host_pages) if p is not None]
+            deep_idx = [i for i, p in enumerate(host_pages) if p is None]
+            host_pages = [host_pages[i] for i in in_host]
+            staging = None
+            if deep_idx:
+                staging = self._fetch_deep([keys[i] for i in deep_idx])
+                if staging is None:
+                    return self._load_failed("page missing from every tier")
+            bad = self.host.first_bad_page(host_pages)
+            if bad >= 0:
+                self._m["checksum_failures"] += 1
+                self.host.discard([keys[in_host[bad]]])
+                return self._load_failed(f"checksum mismatch on host page {host_pages[bad]}")
+            if host_pages:
+                self.host.touch([keys[i] for i in in_host])
+                self.executor.host_to_device(self.host.words, host_pages, _pick(dev_pages, in_host, n))
+            if deep_idx:
+                self.executor.host_to_device(staging, list(range(len(deep_idx))), _pick(dev_pages, deep_idx, n))
+                self._promote([keys[i] for i in deep_idx], staging)
+        except Exception as e:  # noqa: BLE001 - reported as a miss
+            logger.exception("flexflow: load of %d pages failed", n)
+            return self._load_failed(str(e))
+        nh, deep = len(host_pages), len(deep_idx)
+        self.last_load_deep_pages = deep
+        self._m["pages_loaded"] += n
+        self._m["pages_loaded_host"] += nh
+        self._m["pages_loaded_deep"] += deep
+        self._hits_by_tier["host"] += nh
+        return True
+
+    def _load_failed(self, why: str) -> bool:
+        self._m["load_failures"] += 1
+        logger.warning("flexflow: host load failed (%s); treated as a cache miss", why)
+        return False
+
+    def _fetch_deep(self, keys: Sequence[bytes]) -> Optional[torch.Tensor]:
+        """Pages of `keys` from the deeper tiers into a page-major staging tensor (all, or None)."""
+        if not self.tiers:
+            return None
+        staging = torch.empty((len(keys), self.layout.page_words), dtype=self.layout.word_dtype)
+        u8 = staging.view(torch.uint8)
+        got = 0
+        while got < len(keys):
+            m = 0
+            for tier in self.tiers:
+                try:
+                    m = self.executor.tier_io(tier.node, self.host_node, (len(keys) - got) * self.layout.page_nbytes,
+                                              lambda: tier.get_many_into(keys[got:], u8[got:]))
+                except Exception:  # noqa: BLE001
+                    logger.exception("flexflow: tier %s read failed", tier.name)
+                    m = 0
+                if m > 0:
+                    self._hits_by_tier[tier.name] = self._hits_by_tier.get(tier.name, 0) + m
+                    break
+            if m <= 0:
+                return None
+            got += m
+        return staging
+
+    def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> None:
+        """Copy pages that came from a deeper tier into the host tier (best effort)."""
+        pages, evicted = self.host.reserve(len(keys), protect=set(keys))
+        self._spill(evicted)
+        k = len(pages)
+        if k:
+            for i0, i1, start in contiguous_runs(pages):
+                self.host.words[start:start + (i1 - i0)].copy_(staging[i0:i1])
+            self.host.commit(keys[:k], pages)
+
+    # ----------------------------------------------------------------- store
+    def store(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> StoreHandle:
+        """Copy the device pages at `device_slots` into the host tier under `keys` (pages already held
+        are only refreshed). The slots must stay valid until the handle is done (see `poll`)."""
+        h = StoreHandle(pages=len(keys))
+        if self._closed or not keys:
+            h.done, h.ok = True, not keys
+            return h
+        self._m["stores"] += 1
+        try:
+            dev_pages = self._device_pages(device_slots, len(keys))
+        except Exception as e:  # noqa: BLE001
+            self._store_failed(h, str(e))
+            return h
+        missing = [i for i, k in enumerate(keys) if self.host.page_of(k) is None]
+        self.host.touch(keys)
+        self._m["pages_deduplicated"] += len(keys) - len(missing)
+        if not missing:
+            h.done = h.ok = True
+            return h
+        mkeys = [keys[i] for i in missing]
+        pages, evicted = self.host.reserve(len(mkeys), protect=set(keys))
+        self._spill(evicted)
+        complete = len(pages) == len(mkeys)
+        if not complete:  # the tier is full of protected pages: store what fits, in key order
+            mkeys, missing = mkeys[:len(pages)], missing[:len(pages)]
+        idx = torch.as_tensor(missing, dtype=torch.long, device=dev_pages.device)
+        h._work = (mkeys, pages, dev_pages.index_select(0, idx), complete)
+        if self.defer_stores:
+            self._queue.append(h)
+        else:
+            self._run_store(h)
+        return h
+
+    def _run_store(self, h: StoreHandle) -> None:
+        mkeys, pages, dev_pages, complete = h._work
+        h._work = None
+        try:
+            if pages:
+                self.executor.device_to_host(dev_pages, self.host.words, pages)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("flexflow: store of %d pages failed", len(pages))
+            self.host.release(pages)
+            self._store_failed(h, str(e))
+            return
+        self.host.commit(mkeys, pages)
+        self._m["pages_stored"] += len(pages)
+        h.stored_pages = len(pages)
+        h.done, h.ok = True, complete
+
+    def _store_failed(self, h: StoreHandle, why: str) -> None:
+        self._m["store_failures"] += 1
+        logger.warning("flexflow: host store failed (%s); the pages stay device-only", why)
+        h.done, h.ok = True, False
+
+    def _spill(self, evicted) -> None:
+        """Host-tier LRU victims go to the first deeper tier before their pages are reused."""
+        if not evicted or not self.tiers:
+            return
+        keys = [k for k, _ in evicted]
+        pages = torch.as_tensor([p for _, p in evicted], dtype=torch.long)
+        tier = self.tiers[0]
+        try:
+            rows = self.host.words.index_select(0, pages).view(torch.uint8)
+            n = self.executor.tier_io(self.host_node, tier.node, rows.numel(), lambda: tier.put_many(keys, rows))
+            self._m["pages_spilled"] += n
+        except Exception:  # noqa: BLE001 - losing a victim is a future miss, not an error
+            logger.exception("flexflow: spill of %d pages to %s failed", len(keys), self.tiers[0].name)
+            self._m["spill_failures"] += 1
+
+    # ----------------------------------------------------------------- async bookkeeping
+    def poll(self) -> int:
+        """Advance queued stores; returns how many completed in this call."""
+        n = 0
+        while self._queue:
+            self._run_store(self._queue.popleft())
+            n += 1
+        return n
+
+    def reset(self) -> None:
+        """Cancel queued stores (their slots are about to be reused) and keep the held pages."""
+        while self._queue:
+            h = self._queue.popleft()
+            mkeys, pages, _, _ = h._work
+            h._work = None
+            self.host.release(pages)
+            h.done, h.ok = True, False
+            self._m["stores_cancelled"] += 1
+
+    def clear(self) -> None:
+        """Forget every held page in every tier (e.g. after a weight update: the KV is stale)."""
+        self.reset()
+        self.host.clear()
+        for tier in self.tiers:
+            try:
+                clear = getattr(tier, "clear", None)
+                if callable(clear):
+                    clear()
+            except Exception:  # noqa: BLE001
+                logger.exception("flexflow: clearing tier %s failed", tier.name)
+
+    def close(self) -> None:
+        """Idempotent: cancel queued work, stop the agent, close tiers, drop the host buffer."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reset()
+        if self._own_agent:
+            self.agent.stop()
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception:  # noqa: BLE001
+                logger.exception("flexflow: closing tier %s failed", tier.name)
+        self.host.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ----------------------------------------------------------------- helpers
+    def _device_pages(self, slots: torch.Tensor, n: int) -> torch.Tensor:
+        """Page ids of `n` whole, page-aligned pages of device slots (raises if they are not)."""
+        ps = self.page_size
+        slots = torch.as_tensor(slots).to(torch.long)
+        if slots.numel() != n * ps:
+            raise ValueError(f"{slots.numel()} device slots for {n} pages of {ps} tokens")
+        if ps == 1:
+            pages = slots
+        else:
+            grid = slots.view(n, ps)
+            pages = torch.div(grid[:, 0], ps, rounding_mode="floor")
+            expect = pages.unsqueeze(1) * ps + torch.arange(ps, device=slots.device)
+            if not torch.equal(grid, expect):
+                raise ValueError("device slots are not whole page-aligned pages")
+        if n and (int(pages.min()) < 0 or int(pages.max()) >= self.layout.num_device_pages):
+            raise ValueError("device slot outside the KV pool")
+        return pages
+
+    def metrics(self) -> Dict[str, Any]:
+        m = dict(self._m)
+        ps, pb = self.page_size, self.layout.page_nbytes
+        m.update(
+            tokens_loaded=m["pages_loaded"] * ps, bytes_loaded=m["pages_loaded"] * pb,
+            tokens_stored=m["pages_stored"] * ps, bytes_stored=m["pages_stored"] * pb,
+            hits_by_tier={k: v * ps for k, v in self._hits_by_tier.items()},  # tokens loaded per tier
+            bandwidth_by_path_type=self.executor.bandwidth_by_type(),
+            host_tier=self.host.stats(),
+            deeper_tiers={t.name: _safe_stats(t) for t in self.tiers},
+            queued_stores=len(self._queue),
+            page_size=ps, page_nbytes=pb, device_node=self.device_node, host_node=self.host_node,
+            selector_impl=self.selector.impl,
+        )
+        return m
+
+
+def _pick(pages: torch.Tensor, idx: List[int], n: int) -> torch.Tensor:
+    if len(idx) == n:
+        return pages
+    return pages.index_select(0, torch.as_tensor(idx, dtype=torch.long, device=pages.device))
+
+
+def _safe_stats(tier) -> dict:
+    try:
+        return dict(tier.stats())
+    except Exception:  # noqa: BLE001
+        return {"error": "stats unavailable"}

@@ -1,0 +1,185 @@
+"""HostTier: one preallocated host pool of KV pages keyed by page key, LRU over unpinned entries.
+
+Pages are rows of `words[capacity_pages, page_words]` (see KVLayout for the row layout). A page is
+in exactly one state: free, reserved (being written by a store, invisible to lookups), or
+indexed (in the LRU map, visible). Only indexed pages are evicted, least recently used first.
+
+Checksums: a wrapping 64-bit sum of the page's words, taken when a store commits and compared
+before a load reads the page. It catches host-memory corruption and page reuse bugs cheaply (one
+vectorised read); it is not a cryptographic digest.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def contiguous_runs(ids: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """[(i0, i1, start)]: positions i0..i1-1 of `ids` are start, start+1, ... (ids as a list)."""
+    runs = []
+    n = len(ids)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and ids[j] == ids[j - 1] + 1:
+            j += 1
+        runs.append((i, j, ids[i]))
+        i = j
+    return runs
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, page_words: int, word_dtype: torch.dtype, capacity_pages: int, *, node: Optional[str] = None,
+                 verify_checksums: bool = True, pin_memory: bool = False):
+        if capacity_pages < 1:
+            raise ValueError(f"host tier capacity must be at least one page, got {capacity_pages}")
+        self.node = node
+        self.page_words = page_words
+        self.word_dtype = word_dtype
+        self.capacity_pages = capacity_pages
+        self.verify_checksums = verify_checksums
+        self.pinned = bool(pin_memory)
+        self.words = torch.empty((capacity_pages, page_words), dtype=word_dtype, pin_memory=self.pinned)
+        self.page_nbytes = self.words.element_size() * page_words
+        self._sums = torch.zeros(capacity_pages, dtype=torch.int64)
+        self._lru: "OrderedDict[bytes, int]" = OrderedDict()  # least recent first
+        self._fresh = 0  # pages [_fresh, capacity) were never handed out (contiguous runs)
+        self._free: List[int] = []  # recycled pages (stack)
+        self.evictions = 0
+        self.checksum_failures = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def used_pages(self) -> int:
+        return len(self._lru)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free) + self.capacity_pages - self._fresh
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        lru = self._lru
+        n = 0
+        for k in keys:
+            if k not in lru:
+                break
+            n += 1
+        return n
+
+    def page_of(self, key: bytes) -> Optional[int]:
+        return self._lru.get(key)
+
+    def pages_for(self, keys: Sequence[bytes]) -> List[int]:
+        """Host pages of the leading present keys (marks them most recently used)."""
+        out = []
+        for k in keys:
+            p = self._lru.get(k)
+            if p is None:
+                break
+            self._lru.move_to_end(k)
+            out.append(p)
+        return out
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            if k in self._lru:
+                self._lru.move_to_end(k)
+
+    # ----------------------------------------------------------------- store side
+    def reserve(self, n: int, protect: "set | frozenset" = frozenset()) -> Tuple[List[int], List[Tuple[bytes, int]]]:
+        """Take up to `n` pages for writing: free ones first, then LRU victims not in `protect`.
+        Returns (pages, evicted) where evicted = [(key, page)] still holds the victim's bytes: the
+        caller spills them before overwriting. Fewer than `n` pages means the tier is full of
+        protected entries."""
+        take = min(n, self.capacity_pages - self._fresh)
+        pages = list(range(self._fresh, self._fresh + take))
+        self._fresh += take
+        if len(pages) < n and self._free:
+            k = min(n - len(pages), len(self._free))
+            recycled = self._free[-k:]
+            del self._free[-k:]
+            pages.extend(sorted(recycled))  # ascending: adjacent free pages become one copy run
+        evicted = []
+        if len(pages) < n:
+            for key in list(self._lru.keys()):
+                if len(pages) >= n:
+                    break
+                if key in protect:
+                    continue
+                p = self._lru.pop(key)
+                evicted.append((key, p))
+                pages.append(p)
+            self.evictions += len(evicted)
+        return pages, evicted
+
+    def release(self, pages: Iterable[int]) -> None:
+        """Give reserved pages back (a store that failed or was cancelled)."""
+        self._free.extend(sorted(pages, reverse=True))
+
+    def commit(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
+        """Make reserved, written pages visible under `keys` (checksummed if enabled)."""
+        if self.verify_checksums and pages:
+            self._sums[torch.as_tensor(pages, dtype=torch.long)] = self.page_sums(pages)
+        lru = self._lru
+        for k, p in zip(keys, pages):
+            old = lru.pop(k, None)
+            if old is not None:  # a duplicate key: keep the fresh copy, free the old page
+                self._free.append(old)
+            lru[k] = p
+
+    # ----------------------------------------------------------------- checksums
+    def page_sums(self, pages: Sequence[int]) -> torch.Tensor:
+        """Wrapping int64 word sum per page, over contiguous runs (no gather copy)."""
+        out = torch.empty(len(pages), dtype=torch.int64)
+        w = self.words
+        wide = w.view(torch.int64) if self.page_nbytes % 8 == 0 and w.dtype != torch.int64 else w
+        for i0, i1, start in contiguous_runs(list(pages)):
+            torch.sum(wide[start:start + (i1 - i0)], dim=1, dtype=torch.int64, out=out[i0:i1])
+        return out
+
+    def first_bad_page(self, pages: Sequence[int]) -> int:
+        """Index (into `pages`) of the first page whose checksum does not match, or -1."""
+        if not self.verify_checksums or not pages:
+            return -1
+        bad = (self.page_sums(pages) != self._sums[torch.as_tensor(pages, dtype=torch.long)]).nonzero()
+        if bad.numel() == 0:
+            return -1
+        self.checksum_failures += 1
+        return int(bad[0])
+
+    # ----------------------------------------------------------------- maintenance
+    def discard(self, keys: Iterable[bytes]) -> int:
+        n = 0
+        for k in keys:
+            p = self._lru.pop(k, None)
+            if p is not None:
+                self._free.append(p)
+                n += 1
+        return n
+
+    def clear(self) -> None:
+        """Forget every indexed page (reserved pages stay reserved)."""
+        self._free.extend(self._lru.values())
+        self._free.sort(reverse=True)  # the stack hands out low pages first
+        self._lru.clear()
+
+    def stats(self) -> Dict[str, int]:
+        return {"capacity_pages": self.capacity_pages, "used_pages": self.used_pages, "free_pages": self.free_pages,
+                "page_nbytes": self.page_nbytes, "used_bytes": self.used_pages * self.page_nbytes,
+                "capacity_bytes": self.capacity_pages * self.page_nbytes, "evictions": self.evictions,
+                "checksum_failures": self.checksum_failures, "pinned": int(self.pinned)}
+
+    def close(self) -> None:
+        self._lru.clear()
+        self._free = []
+        self._fresh = self.capacity_pages = 0
+        # drop the (possibly pinned) buffer now rather than at interpreter teardown
+        self.words = torch.empty((0, self.page_words), dtype=self.word_dtype)

@@ -217,12 +217,16 @@ cdef class PairCore:
                 best_pair_cost = -1.0
                 best_pair_est = 0.0
                 best_pair_bw = 0.0
+                # first leg among the widest feasible candidates, its partner among ALL feasible
+                # ones (on clusters many rails tie on bandwidth and the disjoint partner is far down)
                 for i in range(n_top):
-                    for j in range(i + 1, n_top):
-                        if self.disjoint[self.s_order[i] * n + self.s_order[j]] == 0:
+                    for j in range(n):
+                        if j == self.s_order[i] or self.s_rej[j] == 2:
+                            continue
+                        if self.disjoint[self.s_order[i] * n + j] == 0:
                             continue
                         trial[0] = self.s_order[i]
-                        trial[1] = self.s_order[j]
+                        trial[1] = j
                         c2 = self._set_cost(trial, 2, nbytes, ttft, &e2, &b2)
                         if best_pair_cost < 0.0 or c2 < best_pair_cost:
                             best_pair_cost = c2
@@ -235,8 +239,9 @@ cdef class PairCore:
                     cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
                     while nsel < max_split:
                         best_c = -1
-                        for i in range(n_top):
-                            c = self.s_order[i]
+                        for c in range(n):
+                            if self.s_rej[c] == 2:
+                                continue
                             if not self._disjoint_with(c, pair, nsel):
                                 continue
                             pair[nsel] = c

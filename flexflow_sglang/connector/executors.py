@@ -102,7 +102,8 @@ class TransferExecutor:
         return stats
 
     def _account(self, sub, nbytes: int, seconds: float, stats: MoveStats) -> None:
-        self.agent.report_transfer(sub.links, nbytes, max(seconds, 1e-9))
+        self.agent.report_transfer(sub.links, nbytes, max(seconds, 1e-9),
+                                  relays=0 if sub.type.value == "Direct" else 1)
         stats.nbytes += nbytes
         stats.seconds += seconds
         stats.legs.append((sub.type.value, nbytes, seconds))
@@ -259,7 +260,8 @@ class TransferExecutor:
         dt = time.perf_counter() - t0
         if decision is not None:
             for sub in decision.subpaths:
-                self.agent.report_transfer(sub.links, sub.nbytes, max(dt, 1e-9))
+                self.agent.report_transfer(sub.links, sub.nbytes, max(dt, 1e-9),
+                                          relays=0 if sub.type.value == "Direct" else 1)
             self._record("tier:" + decision.chosen_type.value, nbytes, dt)
         return out
 

@@ -153,15 +153,18 @@ class NodeAgent:
             self._refresh_locked(time.monotonic())
 
     def report_transfer(self, links: Iterable[int], nbytes: int, seconds: float,
-                        queue_delay_us: float = 0.0) -> Optional[float]:
-        """Feedback from a completed transfer over `links` (link ids of one path).
+                        queue_delay_us: float = 0.0, relays: int = 0) -> Optional[float]:
+        """Feedback from a completed transfer over `links` (link ids of one path; `relays`
+        store-and-forward hops on it). Returns the observed bandwidth in GB/s.
 
-        Returns the observed bandwidth in GB/s. The implied utilisation is attributed to the
-        path's bottleneck link only: a 50 GB/s NVLink behind a 25 GB/s PCIe hop is not congested
-        just because the transfer ran at 25 GB/s."""
+        Only the time beyond the path's fixed latency and relay pipeline fill counts as evidence
+        of bandwidth (else a small transfer's latency would read as congestion), and the implied
+        utilisation goes to the path's bottleneck link only: a 50 GB/s NVLink behind a 25 GB/s
+        PCIe hop is not congested just because the transfer ran at 25 GB/s."""
         links = list(links)
         if not links or nbytes <= 0 or seconds <= 0:
             return None
+        from ..selector.selector import RELAY_CHUNK_BYTES, RELAY_OVERHEAD_US
         now = time.monotonic()
         gbps = nbytes / seconds / 1e9
         with self._lock:
@@ -172,13 +175,17 @@ class NodeAgent:
                 for l in links:
                     self._fb_q[l] = self._decayed(self._fb_q[l], self._fb_t[l], now) * 0.5 + per * 0.5
                     self._fb_t[l] = now
-            if nbytes >= MIN_FEEDBACK_BYTES:
-                avail = [self._cap_bps[l] * (1.0 - self.util[l]) for l in links]
-                bott = links[int(np.argmin(avail))]
-                implied = 1.0 - (nbytes / seconds) / self._cap_bps[bott]
-                implied = min(1.0, max(0.0, implied))
+            avail = [max(self._cap_bps[l] * (1.0 - self.util[l]), self._cap_bps[l] * 0.01) for l in links]
+            bott = links[int(np.argmin(avail))]
+            fixed_s = sum(self.topology.links[l].latency_us for l in links) * 1e-6
+            fixed_s += relays * (min(nbytes, RELAY_CHUNK_BYTES) / min(avail) + RELAY_OVERHEAD_US * 1e-6)
+            t_net = seconds - fixed_s
+            # below ~256 KiB, or when the bandwidth term is not clearly above the fixed latency, the
+            # measurement says nothing reliable about bandwidth
+            if nbytes >= MIN_FEEDBACK_BYTES and t_net > fixed_s:
+                implied = 1.0 - (nbytes / t_net) / self._cap_bps[bott]
                 # a fresh observation replaces older feedback for this link (fast reaction both ways)
-                self._fb_util[bott] = implied
+                self._fb_util[bott] = min(1.0, max(0.0, implied))
                 self._fb_t[bott] = now
             self.feedback_count += 1
             self._refresh_locked(now)
@@ -187,7 +194,8 @@ class NodeAgent:
     def report_decision(self, decision, seconds_per_subpath: Sequence[float], queue_delay_us: float = 0.0):
         """Feedback for every leg of a PathDecision (split legs report separately)."""
         for sub, secs in zip(decision.subpaths, seconds_per_subpath):
-            self.report_transfer(sub.links, sub.nbytes, secs, queue_delay_us)
+            relays = 0 if sub.type.value == "Direct" else 1
+            self.report_transfer(sub.links, sub.nbytes, secs, queue_delay_us, relays=relays)
 
     # ----------------------------------------------------------------- internals
     def _decayed(self, value: float, t: float, now: float) -> float:

@@ -214,11 +214,15 @@ class PairCore:
             best_pair_est = 0.0
             best_pair_bw = 0.0
             pair = [0] * MAX_SPLIT_CAP
+            # first leg among the widest feasible candidates, its partner among ALL feasible
+            # ones (on clusters many rails tie on bandwidth and the disjoint partner is far down)
             for i in range(n_top):
-                for j in range(i + 1, n_top):
-                    if self.disjoint[order[i] * n + order[j]] == 0:
+                for j in range(n):
+                    if j == order[i] or s_rej[j] == 2:
                         continue
-                    trial = (order[i], order[j])
+                    if self.disjoint[order[i] * n + j] == 0:
+                        continue
+                    trial = (order[i], j)
                     c2, e2, b2 = self._set_cost(trial, 2, nbytes, ttft)
                     if best_pair_cost < 0.0 or c2 < best_pair_cost:
                         best_pair_cost, best_pair_est, best_pair_bw = c2, e2, b2
@@ -228,8 +232,9 @@ class PairCore:
                 cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
                 while nsel < max_split:
                     best_c = -1
-                    for i in range(n_top):
-                        c = order[i]
+                    for c in range(n):
+                        if s_rej[c] == 2:
+                            continue
                         if not self._disjoint_with(c, pair, nsel):
                             continue
                         pair[nsel] = c

@@ -255,7 +255,7 @@ class Simulator:
         for i, sp in enumerate(plan.subs):
             lat = self.net.path_latency_s(sp.links)
             if sp.nbytes <= 0:
-                self._push(self.t + lat, ("sub", tid, i, tuple(sp.links), 0, self.t))
+                self._push(self.t + lat, ("sub", tid, i, tuple(sp.links), 0, self.t, 0))
                 continue
             res = np.array(self.net.resources(sp.nodes, sp.links), dtype=np.int64)
             self.kv[(tid, i)] = _KVFlow(tid, i, res, tuple(sp.links), int(sp.nbytes), self.t, lat, sp.n_relays)
@@ -408,12 +408,12 @@ class Simulator:
         if f.n_relays:
             avg = f.nbytes / dur
             fill = f.n_relays * (min(self.params.relay_chunk_bytes, f.nbytes) / avg + self.params.relay_overhead_us * 1e-6)
-        self._push(now + f.lat_s + fill, ("sub", f.tid, f.sub, f.links, f.nbytes, f.start))
+        self._push(now + f.lat_s + fill, ("sub", f.tid, f.sub, f.links, f.nbytes, f.start, f.n_relays))
 
     def _complete(self, ev: tuple, now: float) -> Optional[int]:
-        _, tid, sub, links, nbytes, start = ev
+        _, tid, sub, links, nbytes, start, n_relays = ev
         if self.monitor is not None and nbytes > 0:
-            self.monitor.report(links, nbytes, now - start)
+            self.monitor.report(links, nbytes, now - start, relays=n_relays)
         rec = self.transfers.get(tid)
         if rec is None:
             return None

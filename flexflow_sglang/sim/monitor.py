@@ -129,11 +129,11 @@ class SimMonitor:
         per_dir = d.reshape(-1, 2) / (t1 - t0)
         return per_dir.max(axis=1)
 
-    def report(self, links, nbytes: int, seconds: float) -> None:
+    def report(self, links, nbytes: int, seconds: float, relays: int = 0) -> None:
         if not self.feedback or self._sim is None:
             return
         with sim_clock(self._sim):
-            self.agent.report_transfer(links, int(nbytes), float(seconds))
+            self.agent.report_transfer(links, int(nbytes), float(seconds), relays=int(relays))
         self.reports += 1
 
     def before_decide(self, sim) -> None:

@@ -1,0 +1,27 @@
+"""Deep KV tiers below host memory, moved by NIXL (see docs/tiers.md).
+
+* StorageTier - local directory, one file per page (NIXL POSIX backend; survives restarts).
+* RemoteTier  - other nodes' tier servers (TCP control channel + NIXL UCX data).
+* tier_server - `python -m flexflow_sglang.tiers.tier_server` (`flexflow tier-server`).
+* bench.run   - tier throughput against plain file I/O and raw NIXL UCX.
+
+Importing this package does not import nixl; agents are created on first use.
+"""
+from .base import KVTier
+from .remote import RemoteTier
+from .storage import StorageTier, StorageTierError
+from .wire import WireError
+
+__all__ = ["KVTier", "StorageTier", "StorageTierError", "RemoteTier", "WireError",
+           "storage_from_config", "remote_from_config"]
+
+
+def storage_from_config(cfg, fingerprint: str, node: str = "nvme0", page_nbytes=None) -> StorageTier:
+    """StorageTier from a config.StorageTierConfig (path, capacity_gb, backend, eviction)."""
+    return StorageTier(cfg.path, capacity_gb=cfg.capacity_gb, backend=cfg.backend, eviction=cfg.eviction,
+                       fingerprint=fingerprint, page_nbytes=page_nbytes, node=node)
+
+
+def remote_from_config(cfg, node=None) -> RemoteTier:
+    """RemoteTier from a config.RemoteTierConfig (peers, timeout_ms, retry_after_s)."""
+    return RemoteTier(list(cfg.peers), timeout_ms=cfg.timeout_ms, retry_after_s=cfg.retry_after_s, node=node)

@@ -1,0 +1,224 @@
+"""Shared pieces of the deep KV tiers: the tier protocol, page helpers, checksums, NIXL loading.
+
+A tier stores fixed-size KV pages under 32-byte keys. The connector computes the keys from the
+prefix chain plus a model/layout fingerprint; a tier never interprets them and never builds a
+file name or a wire field from request content.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+
+import numpy as np
+
+log = logging.getLogger("flexflow_sglang.tiers")
+
+
+@runtime_checkable
+class KVTier(Protocol):
+    """What the cache/connector calls. All methods are safe to call from several threads."""
+
+    name: str  # "storage" | "remote"
+    node: str  # topology node where the bytes live
+
+    def contains_prefix(self, keys: List[bytes]) -> int: ...
+    def put_many(self, keys: List[bytes], pages) -> int: ...
+    def get_many_into(self, keys: List[bytes], out) -> int: ...
+    def discard(self, keys: List[bytes]) -> None: ...
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# pages
+# ---------------------------------------------------------------------------------------------
+
+def as_pages(x, n: int, *, writable: bool = False, what: str = "pages") -> np.ndarray:
+    """View `x` (uint8 numpy array or CPU torch tensor, shape [>=n, page_nbytes], C-contiguous
+    rows) as a 2-D uint8 numpy array without copying. Raises ValueError on anything else."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{what}: tier pages must be CPU tensors, got device {x.device}")
+        if x.dtype != torch.uint8:
+            raise ValueError(f"{what}: dtype must be uint8, got {x.dtype}")
+        x = x.detach().numpy()  # shares memory
+    if not isinstance(x, np.ndarray):
+        raise ValueError(f"{what}: expected a uint8 numpy array or CPU tensor, got {type(x).__name__}")
+    if x.dtype != np.uint8 or x.ndim != 2:
+        raise ValueError(f"{what}: expected a 2-D uint8 array [n, page_nbytes], got {x.dtype} {x.shape}")
+    if x.shape[0] < n:
+        raise ValueError(f"{what}: {x.shape[0]} rows for {n} keys")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{what}: rows must be C-contiguous")
+    if writable and not x.flags.writeable:
+        raise ValueError(f"{what}: output buffer is read-only")
+    return x
+
+
+def check_keys(keys: Sequence[bytes]) -> List[bytes]:
+    out = []
+    for k in keys:
+        if not isinstance(k, (bytes, bytearray, memoryview)):
+            raise TypeError(f"tier keys must be bytes, got {type(k).__name__}")
+        k = bytes(k)
+        if not 1 <= len(k) <= 64:
+            raise ValueError(f"tier key length must be 1..64 bytes (32 expected), got {len(k)}")
+        out.append(k)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# checksums: CRC32 (zlib, ~2 GiB/s per core here, releases the GIL) over the page payload.
+# Several pages are summed in parallel threads. It detects truncation, torn writes, bit rot and
+# misdirected transfers; it is not a MAC (the tiers trust their own directory and peers).
+# ---------------------------------------------------------------------------------------------
+
+CHECKSUM_CRC32 = 1
+_PAR_MIN_BYTES = 256 << 10
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def page_checksum(buf) -> int:
+    return zlib.crc32(memoryview(buf).cast("B")) & 0xFFFFFFFF
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                       thread_name_prefix="ff-tier-crc")
+        return _pool
+
+
+def page_checksums(pages: np.ndarray, n: int, rows: Optional[Sequence[int]] = None) -> List[int]:
+    """CRC32 of rows 0..n-1 (or of `rows`) of a 2-D uint8 array, several rows in parallel."""
+    rows = range(n) if rows is None else rows
+    if len(rows) == 0:
+        return []
+    if len(rows) == 1 or pages.shape[1] < _PAR_MIN_BYTES or (os.cpu_count() or 1) < 2:
+        return [page_checksum(pages[i]) for i in rows]
+    return list(_get_pool().map(lambda i: page_checksum(pages[i]), rows))
+
+
+def key_id(key: bytes, fp_hash: bytes, digest_size: int = 16) -> bytes:
+    """Keyed hash of a tier key: used for file names and index entries (never the raw key)."""
+    return hashlib.blake2b(key, digest_size=digest_size, key=fp_hash, person=b"ffkv-tier").digest()
+
+
+def fingerprint_hash(fingerprint: str) -> bytes:
+    return hashlib.blake2b(fingerprint.encode("utf-8"), digest_size=16, person=b"ffkv-fp").digest()
+
+
+# ---------------------------------------------------------------------------------------------
+# rendezvous (highest-random-weight) hashing
+# ---------------------------------------------------------------------------------------------
+
+def rendezvous_rank(key: bytes, peers: Sequence[str]) -> List[int]:
+    """Indices of `peers`, best first, for `key`. Adding or removing one peer only moves the keys
+    that peer wins/won (1/n of them); ties are impossible in practice (64-bit weights)."""
+    ws = []
+    for i, p in enumerate(peers):
+        h = hashlib.blake2b(key, digest_size=8, key=p.encode("utf-8")[:64], person=b"ffkv-hrw").digest()
+        ws.append((int.from_bytes(h, "little"), i))
+    ws.sort(reverse=True)
+    return [i for _, i in ws]
+
+
+# ---------------------------------------------------------------------------------------------
+# NIXL
+# ---------------------------------------------------------------------------------------------
+
+_nixl_cache: Optional[Tuple[object, object, str]] = None
+
+
+def _import_nixl_api():
+    """The `nixl` meta package picks its nixl_cuXX wheel from the CUDA version of torch; with a
+    CPU-only torch (version.cuda is None) it falls back to *importing torch* (~1.7 s per process,
+    most of a tier server's start-up). When torch is not loaded yet and exactly one backend wheel
+    is installed, import that wheel directly: it is the one the meta package would pick."""
+    import importlib
+    import importlib.util
+    if "torch" not in sys.modules:
+        found = [m for m in ("nixl_cu13", "nixl_cu12", "nixl_rocm") if importlib.util.find_spec(m)]
+        if len(found) == 1:
+            api = importlib.import_module(found[0] + "._api")
+            return api.nixl_agent, api.nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
+    return nixl_agent, nixl_agent_config
+
+
+def load_nixl():
+    """(nixl_agent, nixl_agent_config, "") when nixl imports, else (None, None, reason).
+    Sets NIXL_LOG_LEVEL=WARN unless the caller set it (NIXL logs to stdout by default)."""
+    global _nixl_cache
+    if _nixl_cache is None:
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        try:
+            _nixl_cache = (*_import_nixl_api(), "")
+        except Exception as e:  # ImportError, missing shared libraries, ...
+            _nixl_cache = (None, None, f"{type(e).__name__}: {e}")
+    return _nixl_cache
+
+
+def make_agent(name: str, backends: Sequence[str] = ()):
+    """A NIXL agent without the progress thread (it spins a whole core); callers poll."""
+    nixl_agent, nixl_agent_config, why = load_nixl()
+    if nixl_agent is None:
+        raise ImportError(f"nixl is not importable: {why}")
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    for b in backends:
+        agent.create_backend(b)
+    return agent
+
+
+def unique_agent_name(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+class XferTimeout(Exception):
+    pass
+
+
+def wait_xfers(agent, handles: Sequence, deadline: Optional[float], poll_s: float = 0.001) -> List[str]:
+    """Poll every handle until each is DONE or ERR, or until `deadline` (time.monotonic()).
+    Returns the final states ("DONE", "ERR", or "PROC" for those still running at the deadline).
+    A NIXL exception from check_xfer_state counts as "ERR"."""
+    states = ["PROC"] * len(handles)
+    first = True
+    while True:
+        pending = False
+        for i, h in enumerate(handles):
+            if states[i] != "PROC":
+                continue
+            try:
+                states[i] = agent.check_xfer_state(h)
+            except Exception as e:
+                log.debug("check_xfer_state raised %r", e)
+                states[i] = "ERR"
+            if states[i] == "PROC":
+                pending = True
+        if not pending:
+            return states
+        if deadline is not None and time.monotonic() >= deadline:
+            return states
+        # first re-check quickly: small transfers finish within microseconds
+        time.sleep(0.0001 if first else poll_s)
+        first = False
+
+
+def post_xfer(agent, handle) -> str:
+    try:
+        return agent.transfer(handle)
+    except Exception as e:
+        log.debug("transfer() raised %r", e)
+        return "ERR"

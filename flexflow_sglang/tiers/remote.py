@@ -1,0 +1,675 @@
+"""Remote tier: other nodes' tier servers, reached over a TCP control channel, data by NIXL UCX.
+
+Placement: rendezvous (highest-random-weight) hashing of each key over the configured peers.
+A key goes to the best-ranked peer that is not marked down, so when a peer is down its keys go
+to their second choice, and come back when it returns (no other key moves). Pages of one prefix
+are spread over peers; a call talks to all of them at once (requests are pipelined, transfers
+posted together) and combines the per-peer leading counts into the global leading count.
+
+Failure behaviour: every call is bounded. The control round trip has a deadline of timeout_ms,
+the data transfer another timeout_ms. A peer that misses a deadline, refuses the connection,
+errors, or answers with a bad frame is a miss for this call, is marked down (closed) and is
+skipped until retry_after_s has passed; then the next call reconnects to it.
+
+Timed-out transfers (measured with NIXL 1.5.1 / UCX 1.23, see docs/tiers.md):
+* releasing a timed-out UCX request does not cancel it: a READ from a SIGSTOPped peer still
+  landed after release_xfer_handle + remove_remote_agent, once the peer was resumed;
+* destroying our agent instead stops that, but over UCX_TLS=tcp the frozen server then aborts
+  ("ucp_request.inl Fatal: Endpoint timeout") when it resumes.
+So transfers never touch the caller's memory: they use this tier's registered staging buffer
+(pages are verified there and copied to `out`; put copies into it first). A transfer that times
+out is *parked* with its staging buffer (not released, not freed); later calls poll parked
+transfers and recycle the buffer once they end (DONE when the peer resumed, ERR when it died).
+Only if parked buffers exceed max_parked_mb is the agent destroyed (and a warning logged).
+
+Integrity: the writer sends a CRC32 per page; the server returns it with every pinned page, and
+get_many_into() checks each page before it counts: k = leading pages loaded AND verified. A page
+that fails the check is dropped on the server (RELEASE carries it) and counted.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .base import (as_pages, check_keys, make_agent, page_checksums, post_xfer, rendezvous_rank,
+                   unique_agent_name, wait_xfers)
+from .wire import Frame, MsgType, WireError, int_list, pack_keys, parse_hostport, read_frame, write_frame
+
+log = logging.getLogger("flexflow_sglang.tiers.remote")
+
+
+class _Peer:
+    def __init__(self, addr: str):
+        self.addr = addr
+        self.host, self.port = parse_hostport(addr)
+        self.sock: Optional[socket.socket] = None
+        self.agent_name: Optional[str] = None  # the server's NIXL agent
+        self.md: Optional[bytes] = None
+        self.loaded_gen = -1                   # our agent generation that has its metadata
+        self.page_nbytes: Optional[int] = None
+        self.node: Optional[str] = None
+        self.down_until = 0.0
+        self.down_reason = ""
+        self.c = dict(timeouts=0, failures=0, down_events=0, bytes_read=0, bytes_written=0,
+                      pages_read=0, pages_written=0)
+        self.bw_gbps = 0.0  # EWMA of the observed data-phase bandwidth
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+            self.sock = None
+
+
+class _Stage:
+    """A registered staging buffer; `users` counts parked transfers still using it."""
+    __slots__ = ("arr", "reg", "users")
+
+    def __init__(self, arr: np.ndarray, reg):
+        self.arr, self.reg, self.users = arr, reg, 0
+
+
+class RemoteTier:
+    name = "remote"
+
+    def __init__(self, peers: Sequence[str], timeout_ms: float = 2000.0, retry_after_s: float = 10.0,
+                 node: Optional[str] = None, client_name: str = "ffremote", max_parked_mb: float = 1024.0):
+        if isinstance(peers, str):
+            peers = [x.strip() for x in peers.split(",") if x.strip()]
+        self._peers = []
+        for p in peers:
+            if p not in [q.addr for q in self._peers]:
+                self._peers.append(_Peer(p))
+        self._addrs = [p.addr for p in self._peers]
+        self.timeout_s = float(timeout_ms) / 1000.0
+        self.retry_after_s = float(retry_after_s)
+        self.node = node or (self._peers[0].host if self._peers else "remote")
+        self._client_name = client_name
+        self._lock = threading.RLock()
+        self._closed = False
+        self._agent = None
+        self._gen = 0
+        self._loaded: set = set()
+        self._idle_stage: Optional[_Stage] = None
+        self._parked: List[Tuple[object, "_Stage", int]] = []  # (xfer handle, its staging, pid)
+        self.max_parked_bytes = int(max_parked_mb * (1 << 20))
+        self._before_data_phase: Optional[Callable[[str], None]] = None  # test hook
+        self.c = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, pages_written=0, timeouts=0,
+                      peer_down=0, failures=0, corrupt_dropped=0, parked_transfers=0, agent_recycles=0,
+                      read_s=0.0, write_s=0.0)
+        self._last_bw = 0.0
+
+    # ------------------------------------------------------------------ peers, agent, staging
+    def node_for(self, key: bytes) -> Optional[str]:
+        """The peer address that would serve `key` now (None: no peer is up)."""
+        o = self._owners([key])[0]
+        return self._peers[o].addr if o >= 0 else None
+
+    def _owners(self, keys: List[bytes]) -> List[int]:
+        now = time.monotonic()
+        up = [p.up(now) for p in self._peers]
+        out = []
+        for k in keys:
+            o = -1
+            for i in rendezvous_rank(k, self._addrs):
+                if up[i]:
+                    o = i
+                    break
+            out.append(o)
+        return out
+
+    def _mark_down(self, pid: int, reason: str, timeout: bool = False) -> None:
+        p = self._peers[pid]
+        p.close()
+        if timeout:
+            p.c["timeouts"] += 1
+            self.c["timeouts"] += 1
+        else:
+            p.c["failures"] += 1
+            self.c["failures"] += 1
+        if p.up(time.monotonic()):
+            p.c["down_events"] += 1
+            self.c["peer_down"] += 1
+            log.warning("remote tier: peer %s marked down for %.1f s: %s", p.addr, self.retry_after_s, reason)
+        p.down_until = time.monotonic() + self.retry_after_s
+        p.down_reason = reason
+
+    def _ensure_agent(self):
+        if self._agent is None:
+            self._agent = make_agent(unique_agent_name(self._client_name), ["UCX"])
+            self._gen += 1
+            self._loaded = set()
+        return self._agent
+
+    def _recycle_agent(self) -> None:
+        """Destroy the NIXL agent (its UCX worker and endpoints die with it), then drop the staging
+        buffers. Only when parked transfers pile up, and at close()."""
+        if self._agent is None:
+            return
+        keep = [st for _, st, _ in self._parked] + [self._idle_stage]  # freed only after the agent
+
+        def release_all(parked):
+            for item in parked:
+                try:
+                    item[0].release()
+                except Exception:
+                    pass
+
+        release_all(self._parked)
+        self._parked = []
+        self._idle_stage = None
+        self._agent = None  # last reference: the C++ agent (worker, endpoints) is destroyed here
+        del keep
+        self._loaded = set()
+        self.c["agent_recycles"] += 1
+
+    def _get_stage(self, nbytes: int) -> _Stage:
+        a = self._ensure_agent()
+        st = self._idle_stage
+        if st is not None and st.arr.nbytes >= nbytes:
+            self._idle_stage = None
+            return st
+        size = max(nbytes, 4 << 20, st.arr.nbytes * 2 if st is not None else 0)
+        if st is not None:
+            self._idle_stage = None
+            self._drop_stage(st)
+        arr = np.empty(size, dtype=np.uint8)
+        return _Stage(arr, a.register_memory([(arr.ctypes.data, size, 0, "")], "DRAM"))
+
+    def _drop_stage(self, st: _Stage) -> None:
+        if self._agent is not None:
+            try:
+                self._agent.deregister_memory(st.reg)
+            except Exception as e:
+                log.debug("deregister_memory: %r", e)
+
+    def _return_stage(self, st: _Stage) -> None:
+        if st.users:
+            return  # a parked transfer still targets it
+        if self._idle_stage is None or self._idle_stage.arr.nbytes < st.arr.nbytes:
+            if self._idle_stage is not None:
+                self._drop_stage(self._idle_stage)
+            self._idle_stage = st
+        else:
+            self._drop_stage(st)
+
+    def _reap_parked(self) -> None:
+        """Finish parked (timed-out) transfers that have ended since; recycle their buffers."""
+        if not self._parked or self._agent is None:
+            return
+        still = []
+        for h, st, pid in self._parked:
+            try:
+                state = self._agent.check_xfer_state(h)
+            except Exception:
+                state = "ERR"
+            if state == "PROC":
+                still.append((h, st, pid))
+                continue
+            try:
+                h.release()
+            except Exception as e:
+                log.debug("release parked transfer: %r", e)
+            st.users -= 1
+            self._return_stage(st)
+        self._parked = still
+        parked_bytes = sum(st.arr.nbytes for st in {id(st): st for _, st, _ in still}.values())
+        if parked_bytes > self.max_parked_bytes:
+            log.warning("remote tier: %d MiB of staging held by transfers to frozen peers; destroying the "
+                        "NIXL agent (a peer that resumes later may abort under UCX over TCP)",
+                        parked_bytes >> 20)
+            self._recycle_agent()
+
+    def _connect(self, pids: List[int], P: Optional[int], deadline: float) -> List[int]:
+        """Connect + HELLO where needed (pipelined over peers). P=None: any page size (lookups
+        before this process stored or loaded anything). Returns the pids usable for P."""
+        pending = []
+        for pid in pids:
+            p = self._peers[pid]
+            if p.sock is not None and (P is None or p.page_nbytes):
+                continue
+            try:
+                if p.sock is None:
+                    left = max(0.001, deadline - time.monotonic())
+                    s = socket.create_connection((p.host, p.port), timeout=left)
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    p.sock = s
+                write_frame(p.sock, MsgType.HELLO, {"client": self._client_name, "page_nbytes": P or 0},
+                            deadline=deadline)
+                pending.append(pid)
+            except TimeoutError:
+                self._mark_down(pid, "connect timed out", timeout=True)
+            except (OSError, WireError) as e:
+                self._mark_down(pid, f"connect: {e}")
+        for pid in pending:
+            p = self._peers[pid]
+            f = self._recv(pid, deadline, MsgType.HELLO_OK)
+            if f is None:
+                continue
+            try:
+                p.agent_name = str(f.body["agent"])
+                p.page_nbytes = int(f.body["page_nbytes"]) or None
+                p.node = str(f.body.get("node", p.host))
+                p.md = bytes(f.blob)
+            except (KeyError, TypeError, ValueError):
+                self._mark_down(pid, "bad HELLO_OK")
+        usable = []
+        for pid in pids:
+            p = self._peers[pid]
+            if p.sock is None:
+                continue
+            if P is not None and p.page_nbytes != P:
+                self._mark_down(pid, f"page size {p.page_nbytes} != {P}")
+                continue
+            usable.append(pid)
+        return usable
+
+    def _load_md(self, pid: int) -> bool:
+        a = self._ensure_agent()
+        p = self._peers[pid]
+        if p.loaded_gen == self._gen and p.agent_name in self._loaded:
+            return True
+        try:
+            if p.agent_name in self._loaded:
+                a.remove_remote_agent(p.agent_name)
+                self._loaded.discard(p.agent_name)
+            name = a.add_remote_agent(p.md)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != p.agent_name:
+                raise WireError(f"metadata names agent {name!r}, HELLO said {p.agent_name!r}")
+            self._loaded.add(name)
+            p.loaded_gen = self._gen
+            return True
+        except Exception as e:
+            self._mark_down(pid, f"NIXL metadata: {e!r}")
+            return False
+
+    def _recv(self, pid: int, deadline: float, expect: MsgType) -> Optional[Frame]:
+        p = self._peers[pid]
+        if p.sock is None:
+            return None
+        try:
+            # a peer that answered in time is read even when another peer used up the deadline
+            f = read_frame(p.sock, max(deadline, time.monotonic() + 0.005))
+        except TimeoutError:
+            self._mark_down(pid, "control channel timed out", timeout=True)
+            return None
+        except (OSError, WireError) as e:
+            self._mark_down(pid, f"control channel: {e}")
+            return None
+        if f.type != expect:
+            msg = f.body.get("error") if f.type == MsgType.ERROR else f"unexpected {f.type.name}"
+            self._mark_down(pid, f"server: {msg}")
+            return None
+        return f
+
+    def _rpc_all(self, reqs: Dict[int, Tuple[MsgType, dict, bytes]], deadline: float,
+                 expect: MsgType) -> Dict[int, Frame]:
+        sent = []
+        for pid, (t, body, blob) in reqs.items():
+            p = self._peers[pid]
+            if p.sock is None:
+                continue
+            try:
+                write_frame(p.sock, t, body, blob, deadline=deadline)
+                sent.append(pid)
+            except TimeoutError:
+                self._mark_down(pid, "control channel send timed out", timeout=True)
+            except (OSError, WireError) as e:
+                self._mark_down(pid, f"control channel: {e}")
+        out = {}
+        for pid in sent:
+            f = self._recv(pid, deadline, expect)
+            if f is not None:
+                out[pid] = f
+        return out
+
+    def _send_oneway(self, pid: int, t: MsgType, body: dict) -> None:
+        p = self._peers[pid]
+        if p.sock is None:
+            return
+        try:
+            write_frame(p.sock, t, body, deadline=time.monotonic() + self.timeout_s)
+        except TimeoutError:
+            self._mark_down(pid, "control channel send timed out", timeout=True)
+        except (OSError, WireError) as e:
+            self._mark_down(pid, f"control channel: {e}")
+
+    def _groups(self, keys: List[bytes], stop_at_unowned: bool) -> Tuple[List[int], Dict[int, List[int]]]:
+        owners = self._owners(keys)
+        groups: Dict[int, List[int]] = {}
+        for i, o in enumerate(owners):
+            if o < 0:
+                if stop_at_unowned:
+                    break
+                continue
+            groups.setdefault(o, []).append(i)
+        return owners, groups
+
+    @staticmethod
+    def _leading(n: int, owners: List[int], groups: Dict[int, List[int]], counts: Dict[int, int]) -> int:
+        pos = {}
+        for pid, idx in groups.items():
+            for j, i in enumerate(idx):
+                pos[i] = j
+        k = 0
+        while k < n and owners[k] >= 0 and k in pos and pos[k] < counts.get(owners[k], 0):
+            k += 1
+        return k
+
+    def _transfer(self, op: str, plans: Dict[int, Tuple[List[int], List[int]]], st: _Stage,
+                  P: int) -> Dict[int, str]:
+        """plans: pid -> (rows of the staging buffer, remote addresses). One request per peer,
+        all posted, then polled up to timeout_ms. Returns pid -> "DONE" | "PROC" (timed out:
+        parked with `st`) | "ERR"."""
+        a = self._ensure_agent()
+        base = st.arr.ctypes.data
+        handles, pids, states = [], [], {}
+        if self._before_data_phase is not None:
+            self._before_data_phase(op)
+        for pid, (rows, addrs) in plans.items():
+            if not self._load_md(pid):
+                states[pid] = "ERR"
+                continue
+            try:
+                loc = a.get_xfer_descs(np.array([(base + r * P, P, 0) for r in rows], dtype=np.uint64), "DRAM")
+                rem = a.get_xfer_descs(np.array([(ad, P, 0) for ad in addrs], dtype=np.uint64), "DRAM")
+                h = a.initialize_xfer(op, loc, rem, self._peers[pid].agent_name)
+            except Exception as e:
+                states[pid] = "ERR"
+                self._mark_down(pid, f"NIXL {op} setup: {e!r}")
+                continue
+            handles.append(h)
+            pids.append(pid)
+            states[pid] = post_xfer(a, h)
+        live = [i for i, pid in enumerate(pids) if states[pid] == "PROC"]
+        if live:
+            res = wait_xfers(a, [handles[i] for i in live], time.monotonic() + self.timeout_s)
+            for i, state in zip(live, res):
+                states[pids[i]] = state
+        for h, pid in zip(handles, pids):
+            if states[pid] == "PROC":  # still running: park it, never release or free under it
+                st.users += 1
+                self._parked.append((h, st, pid))
+                self.c["parked_transfers"] += 1
+                self._mark_down(pid, f"NIXL {op} timed out after {self.timeout_s * 1000:.0f} ms", timeout=True)
+                continue
+            try:
+                h.release()
+            except Exception as e:
+                log.debug("release_xfer_handle: %r", e)
+            if states[pid] == "ERR":
+                self._mark_down(pid, f"NIXL {op} failed")
+        return states
+
+    # ------------------------------------------------------------------ protocol
+    def contains_prefix(self, keys: List[bytes]) -> int:
+        keys = check_keys(keys)
+        with self._lock:
+            if self._closed or not keys or not self._peers:
+                return 0
+            owners, groups = self._groups(keys, stop_at_unowned=True)
+            if not groups:
+                return 0
+            deadline = time.monotonic() + self.timeout_s
+            usable = self._connect(list(groups), self._page_hint, deadline)
+            reqs = {}
+            for pid in usable:
+                klen, blob = pack_keys([keys[i] for i in groups[pid]])
+                reqs[pid] = (MsgType.LOOKUP, {"klen": klen, "n": len(groups[pid]), "pin": False}, blob)
+            rep = self._rpc_all(reqs, deadline, MsgType.LOOKUP_OK)
+            counts = {pid: self._count(f, len(groups[pid])) for pid, f in rep.items()}
+            return self._leading(len(keys), owners, groups, counts)
+
+    _page_hint: Optional[int] = None  # page size of the last put/get (None before the first)
+
+    @staticmethod
+    def _count(f: Frame, n: int) -> int:
+        c = f.body.get("count")
+        return max(0, min(n, c)) if isinstance(c, int) else 0
+
+    def get_many_into(self, keys: List[bytes], out) -> int:
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        out = as_pages(out, len(keys), writable=True, what="out")
+        n, P = len(keys), out.shape[1]
+        with self._lock:
+            if self._closed or not self._peers:
+                self.c["misses"] += n
+                return 0
+            self._page_hint = P
+            self._reap_parked()
+            owners, groups = self._groups(keys, stop_at_unowned=True)
+            deadline = time.monotonic() + self.timeout_s
+            usable = self._connect(list(groups), P, deadline) if groups else []
+            reqs = {}
+            for pid in usable:
+                klen, blob = pack_keys([keys[i] for i in groups[pid]])
+                reqs[pid] = (MsgType.LOOKUP, {"klen": klen, "n": len(groups[pid]), "pin": True}, blob)
+            rep = self._rpc_all(reqs, deadline, MsgType.LOOKUP_OK)
+            counts, leases, addrs, sums = {}, {}, {}, {}
+            for pid, f in rep.items():
+                try:
+                    c = self._count(f, len(groups[pid]))
+                    a_ = int_list(f.body, "addrs")[:c]
+                    s_ = int_list(f.body, "sums")[:c]
+                    if len(a_) < c or len(s_) < c:
+                        raise WireError("LOOKUP_OK lists are short")
+                except WireError as e:
+                    self._mark_down(pid, f"bad LOOKUP_OK: {e}")
+                    continue
+                counts[pid], addrs[pid], sums[pid] = c, a_, s_
+                if f.body.get("lease"):
+                    leases[pid] = f.body["lease"]
+            k = self._leading(n, owners, groups, counts)
+            good = 0
+            drops: Dict[int, List[int]] = {}
+            if k > 0:
+                t0 = time.perf_counter()
+                plans = {}
+                for pid, idx in groups.items():
+                    need = sum(1 for i in idx if i < k)
+                    if need and pid in counts:
+                        plans[pid] = (idx[:need], addrs[pid][:need])
+                st = self._get_stage(k * P)
+                stage = st.arr[:k * P].reshape(k, P)
+                states = self._transfer("READ", plans, st, P)
+                # verify in key order; the first bad page ends the prefix
+                okrow = np.zeros(k, dtype=bool)
+                for pid, (rows, _) in plans.items():
+                    if states.get(pid) != "DONE":
+                        continue
+                    got = page_checksums(stage, len(rows), rows)
+                    for j, r in enumerate(rows):
+                        if got[j] == (sums[pid][j] & 0xFFFFFFFF):
+                            okrow[r] = True
+                        else:
+                            self.c["corrupt_dropped"] += 1
+                            drops.setdefault(pid, []).append(j)
+                            log.warning("remote tier: page from %s failed its checksum; dropped",
+                                        self._peers[pid].addr)
+                while good < k and okrow[good]:
+                    good += 1
+                if good:
+                    np.copyto(out[:good], stage[:good])
+                self._return_stage(st)
+                self._reap_parked()  # this call progressed the worker: parked ones may be done
+                dt = time.perf_counter() - t0
+                self.c["read_s"] += dt
+                self.c["bytes_read"] += good * P
+                if good and dt > 0:
+                    self._last_bw = good * P / dt / 1e9
+                for pid, (rows, _) in plans.items():
+                    if states.get(pid) == "DONE":
+                        p = self._peers[pid]
+                        nb = sum(1 for r in rows if r < good) * P
+                        p.c["bytes_read"] += nb
+                        p.c["pages_read"] += nb // P
+                        if dt > 0 and nb:
+                            p.bw_gbps = 0.7 * p.bw_gbps + 0.3 * nb / dt / 1e9 if p.bw_gbps else nb / dt / 1e9
+            for pid, lid in leases.items():
+                self._send_oneway(pid, MsgType.RELEASE, {"lease": lid, "drop": drops.get(pid, [])})
+            self.c["hits"] += good
+            self.c["misses"] += n - good
+            return good
+
+    def put_many(self, keys: List[bytes], pages) -> int:
+        """Returns the number of leading keys held by the peers after the call (already present
+        pages count)."""
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        pages = as_pages(pages, len(keys))
+        n, P = len(keys), pages.shape[1]
+        with self._lock:
+            if self._closed or not self._peers:
+                return 0
+            self._page_hint = P
+            self._reap_parked()
+            owners, groups = self._groups(keys, stop_at_unowned=False)
+            if not groups:
+                return 0
+            deadline = time.monotonic() + self.timeout_s
+            usable = self._connect(list(groups), P, deadline)
+            if not usable:
+                return 0
+            sums = page_checksums(pages, n)
+            reqs = {}
+            for pid in usable:
+                idx = groups[pid]
+                klen, blob = pack_keys([keys[i] for i in idx])
+                reqs[pid] = (MsgType.PUT, {"klen": klen, "n": len(idx), "sums": [sums[i] for i in idx]}, blob)
+            rep = self._rpc_all(reqs, deadline, MsgType.PUT_OK)
+            present = np.zeros(n, dtype=bool)
+            plans, leases = {}, {}
+            for pid, f in rep.items():
+                idx = groups[pid]
+                try:
+                    status = int_list(f.body, "status", len(idx))
+                    addrs = int_list(f.body, "addrs")
+                except WireError as e:
+                    self._mark_down(pid, f"bad PUT_OK: {e}")
+                    continue
+                rows = [i for i, st in zip(idx, status) if st == 0]
+                if len(rows) != len(addrs):
+                    self._mark_down(pid, "bad PUT_OK: address count")
+                    continue
+                for i, st in zip(idx, status):
+                    if st == 1:
+                        present[i] = True
+                if rows:
+                    plans[pid] = (rows, addrs)
+                    leases[pid] = f.body.get("lease")
+            if plans:
+                t0 = time.perf_counter()
+                st = self._get_stage(n * P)
+                stage = st.arr[:n * P].reshape(n, P)
+                for rows, _ in plans.values():
+                    for r in rows:
+                        stage[r] = pages[r]
+                states = self._transfer("WRITE", plans, st, P)
+                self._return_stage(st)
+                self._reap_parked()
+                cdeadline = time.monotonic() + self.timeout_s
+                creqs = {pid: (MsgType.COMMIT, {"lease": leases[pid], "ok": [1] * len(plans[pid][0])}, b"")
+                         for pid in plans if states.get(pid) == "DONE"}
+                crep = self._rpc_all(creqs, cdeadline, MsgType.COMMIT_OK)
+                wrote = 0
+                for pid, f in crep.items():
+                    rows = plans[pid][0]
+                    try:
+                        stored = int_list(f.body, "stored")
+                    except WireError:
+                        stored = []
+                    for r, s_ in zip(rows, stored):
+                        if s_:
+                            present[r] = True
+                            wrote += 1
+                    p = self._peers[pid]
+                    p.c["bytes_written"] += sum(1 for s_ in stored if s_) * P
+                    p.c["pages_written"] += sum(1 for s_ in stored if s_)
+                dt = time.perf_counter() - t0
+                self.c["write_s"] += dt
+                self.c["bytes_written"] += wrote * P
+                self.c["pages_written"] += wrote
+            k = 0
+            while k < n and present[k]:
+                k += 1
+            return k
+
+    def discard(self, keys: List[bytes]) -> None:
+        keys = check_keys(keys)
+        with self._lock:
+            if self._closed or not keys or not self._peers:
+                return
+            owners, groups = self._groups(keys, stop_at_unowned=False)
+            deadline = time.monotonic() + self.timeout_s
+            usable = self._connect(list(groups), self._page_hint, deadline)
+            reqs = {}
+            for pid in usable:
+                klen, blob = pack_keys([keys[i] for i in groups[pid]])
+                reqs[pid] = (MsgType.DISCARD, {"klen": klen, "n": len(groups[pid])}, blob)
+            self._rpc_all(reqs, deadline, MsgType.DISCARD_OK)
+
+    def server_stats(self, addr: str) -> Optional[dict]:
+        """STATS of one peer (for tests and `flexflow` tooling); None when it does not answer."""
+        with self._lock:
+            pid = self._addrs.index(addr)
+            p = self._peers[pid]
+            deadline = time.monotonic() + self.timeout_s
+            if p.sock is None:
+                if not p.up(time.monotonic()):
+                    return None
+                self._connect([pid], None, deadline)
+            rep = self._rpc_all({pid: (MsgType.STATS, {}, b"")}, deadline, MsgType.STATS_OK)
+            return rep[pid].body if pid in rep else None
+
+    def stats(self) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            c = {k: (int(v) if k not in ("read_s", "write_s") else v) for k, v in self.c.items()}
+            c.update(
+                name=self.name, node=self.node, backend="nixl-ucx",
+                bytes=int(self.c["bytes_read"] + self.c["bytes_written"]),
+                read_gbps=self.c["bytes_read"] / self.c["read_s"] / 1e9 if self.c["read_s"] else 0.0,
+                write_gbps=self.c["bytes_written"] / self.c["write_s"] / 1e9 if self.c["write_s"] else 0.0,
+                bandwidth_gbps=self._last_bw,
+                peers={p.addr: dict(p.c, up=p.up(now), connected=p.sock is not None,
+                                    retry_in_s=max(0.0, p.down_until - now), down_reason=p.down_reason,
+                                    node=p.node, bw_gbps=p.bw_gbps) for p in self._peers},
+                peers_up=sum(1 for p in self._peers if p.up(now)), parked_now=len(self._parked),
+                closed=self._closed)
+            return c
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for p in self._peers:
+                p.close()
+            self._reap_parked()
+            self._recycle_agent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

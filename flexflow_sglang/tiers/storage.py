@@ -1,0 +1,623 @@
+"""Local storage tier: KV pages as files in a private directory, moved by NIXL (POSIX backend).
+
+Layout (see docs/tiers.md):
+  <path>/                     mode 0700, one owning process at a time (flock on <path>/.lock)
+  <path>/<32 hex>.kv          one file per page, mode 0600: 64-byte header + payload
+  <path>/.tmp.<32 hex>.<rnd>  a write in progress; renamed into place when complete
+
+File name = blake2b-128(key, key=blake2b(fingerprint)) in hex: never built from request content,
+and the same key under another fingerprint lands elsewhere. The header (little-endian):
+  magic "FFKV" | u16 version | u16 header_len=64 | u32 checksum algo (1 = CRC32) |
+  u64 page_nbytes | 16s fingerprint hash | 16s name id | 8s payload checksum | u32 CRC32(header[:60])
+Reads and writes go through NIXL's POSIX backend (DRAM <-> FILE). Without nixl the tier falls
+back to os.preadv/pwritev (logged once; stats()["backend"] says which one is active). GDS is
+created only when torch.cuda is available and libcufile loads; GDS_MT never.
+
+The index (name -> size, in LRU order) is rebuilt at start by scanning headers, so pages stored
+by an earlier process are hits. Anything that fails validation (truncated, corrupt, foreign
+version, foreign fingerprint, wrong size, vanished) is a miss, is deleted, and is counted.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ..errors import FlexFlowError
+from .base import (CHECKSUM_CRC32, as_pages, check_keys, fingerprint_hash, key_id, load_nixl,
+                   make_agent, page_checksum, page_checksums, post_xfer, unique_agent_name, wait_xfers)
+
+log = logging.getLogger("flexflow_sglang.tiers.storage")
+
+MAGIC = b"FFKV"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sHHIQ16s16s8sI")
+HDR = HEADER.size  # 64
+assert HDR == 64
+_NAME_RE = re.compile(r"^[0-9a-f]{32}\.kv$")
+_GIB = 1 << 30
+
+
+class StorageTierError(FlexFlowError):
+    """The storage directory cannot be used (owned by someone else, locked by another process)."""
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks up front so a full disk shows up as ENOSPC here, before any
+    transfer. Tests replace this function to simulate a full disk."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # filesystem without fallocate: ENOSPC then surfaces at write time
+        raise
+
+
+def _gds_usable() -> Tuple[bool, str]:
+    """GDS needs a GPU and cuFile. Checked cheaply first (libcufile), torch only after."""
+    lib = ctypes.util.find_library("cufile")
+    try:
+        ctypes.CDLL(lib or "libcufile.so.0")
+    except OSError:
+        return False, "libcufile is not loadable"
+    try:
+        import torch  # noqa: F401  (only reached when cuFile exists)
+        if not torch.cuda.is_available():
+            return False, "torch.cuda is not available"
+    except Exception as e:
+        return False, f"torch unavailable ({type(e).__name__})"
+    return True, ""
+
+
+def build_header(page_nbytes: int, fp_hash: bytes, name_id: bytes, checksum: int) -> bytes:
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, HDR, CHECKSUM_CRC32, page_nbytes, fp_hash, name_id,
+                       checksum.to_bytes(4, "little") + b"\0" * 4, 0)
+    return head[:60] + struct.pack("<I", page_checksum(head[:60]))
+
+
+def parse_header(raw, fp_hash: bytes, name_id: bytes, page_nbytes: Optional[int]) -> Tuple[Optional[int], str]:
+    """(payload checksum, "") when the header is ours, else (None, reason)."""
+    raw = bytes(raw)
+    if len(raw) < HDR:
+        return None, "short header"
+    magic, ver, hlen, algo, pn, fph, nid, csum, hcrc = HEADER.unpack(raw[:HDR])
+    if magic != MAGIC:
+        return None, "bad magic"
+    if ver != FORMAT_VERSION or hlen != HDR:
+        return None, f"foreign format version {ver}"
+    if page_checksum(raw[:60]) != hcrc:
+        return None, "header checksum"
+    if algo != CHECKSUM_CRC32:
+        return None, f"unknown checksum algo {algo}"
+    if fph != fp_hash:
+        return None, "foreign fingerprint"
+    if nid != name_id:
+        return None, "name mismatch"
+    if page_nbytes is not None and pn != page_nbytes:
+        return None, f"page_nbytes {pn} != {page_nbytes}"
+    return int.from_bytes(csum[:4], "little"), ""
+
+
+class StorageTier:
+    """KVTier over a local directory. Thread-safe (one lock; NIXL calls are serialized)."""
+
+    name = "storage"
+
+    @staticmethod
+    def peek_page_nbytes(path: str) -> Optional[int]:
+        """page_nbytes of the first well-formed page file in `path` (None if there is none).
+        Lets a restarted tier server size its slots before any client has said hello."""
+        try:
+            names = [n for n in os.listdir(path) if _NAME_RE.match(n)]
+        except OSError:
+            return None
+        for nm in names[:16]:
+            try:
+                fd = os.open(os.path.join(path, nm), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                raw = os.pread(fd, HDR, 0)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if len(raw) == HDR and raw[:4] == MAGIC and page_checksum(raw[:60]) == struct.unpack_from("<I", raw, 60)[0]:
+                pn = struct.unpack_from("<Q", raw, 12)[0]
+                if size == HDR + pn:
+                    return pn
+        return None
+
+    def __init__(self, path: str, capacity_gb: float = 10.0, backend: str = "auto",
+                 eviction: str = "lru", fingerprint: str = "", page_nbytes: Optional[int] = None,
+                 node: str = "nvme0", capacity_bytes: Optional[int] = None,
+                 disk_full_retry_s: float = 60.0):
+        if backend not in ("auto", "posix", "gds"):
+            raise ValueError(f"storage_tier.backend must be auto|posix|gds, got {backend!r}")
+        if eviction != "lru":
+            raise ValueError(f"storage_tier.eviction must be 'lru', got {eviction!r}")
+        self.node = node
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else capacity_gb * _GIB)
+        if self.capacity_bytes < 0:
+            raise ValueError("storage tier capacity must be >= 0")
+        self.page_nbytes = page_nbytes
+        self.fingerprint = fingerprint
+        self._fp = fingerprint_hash(fingerprint)
+        self._disk_full_retry_s = disk_full_retry_s
+        self._lock = threading.RLock()
+        self._closed = False
+        self._index: "OrderedDict[str, int]" = OrderedDict()  # name -> file size, LRU first
+        self._used = 0
+        self._degraded_until = 0.0
+        self._warned_full = False
+        self._c: Dict[str, float] = dict(
+            hits=0, misses=0, bytes_read=0, bytes_written=0, pages_written=0, failures=0,
+            corrupt_dropped=0, scan_dropped=0, size_mismatch=0, evictions=0, disk_full=0, writes_skipped=0,
+            nixl_fallbacks=0, read_s=0.0, write_s=0.0)
+        self._prepare_dir()
+        self._agent = None
+        self._bk = "os"
+        self._hdr_buf = None
+        self._hdr_reg = None
+        self._init_backend(backend)
+        self._scan()
+
+    # ------------------------------------------------------------------ setup
+    def _prepare_dir(self) -> None:
+        os.makedirs(self.path, mode=0o700, exist_ok=True)
+        st = os.stat(self.path)
+        if st.st_uid != os.getuid():
+            raise StorageTierError(f"storage tier directory {self.path} is owned by uid {st.st_uid}, "
+                                   f"not {os.getuid()}")
+        if st.st_mode & 0o077:
+            log.warning("storage tier directory %s had mode %o; setting 0700", self.path, st.st_mode & 0o777)
+            os.chmod(self.path, 0o700)
+        self._lock_fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise StorageTierError(f"storage tier directory {self.path} is in use by another process")
+
+    def _init_backend(self, requested: str) -> None:
+        nixl_agent, _, why = load_nixl()
+        if nixl_agent is None:
+            log.warning("nixl is not importable (%s): storage tier %s uses plain os reads/writes",
+                        why, self.path)
+            return
+        agent = make_agent(unique_agent_name("ffstore"))
+        if requested in ("auto", "gds"):
+            ok, reason = _gds_usable()
+            if ok:
+                try:
+                    agent.create_backend("GDS")
+                    self._agent, self._bk = agent, "GDS"
+                except Exception as e:
+                    log.warning("storage tier: NIXL GDS backend failed (%r); using POSIX", e)
+            elif requested == "gds":
+                log.warning("storage tier: backend=gds requested but %s; using NIXL POSIX", reason)
+        if self._agent is None:
+            agent.create_backend("POSIX")
+            self._agent, self._bk = agent, "POSIX"
+        log.info("storage tier %s: NIXL %s backend", self.path, self._bk)
+
+    def _scan(self) -> None:
+        entries = []
+        with os.scandir(self.path) as it:
+            for e in it:
+                nm = e.name
+                if nm.startswith(".tmp."):
+                    self._unlink(nm)  # a write that never completed (crash); we hold the dir lock
+                    continue
+                if not _NAME_RE.match(nm):
+                    continue
+                reason = self._check_file(nm)
+                if reason:
+                    log.info("storage tier: dropping %s at start (%s)", nm, reason)
+                    self._unlink(nm)
+                    self._c["scan_dropped"] += 1
+                    continue
+                st = e.stat(follow_symlinks=False)
+                entries.append((st.st_mtime_ns, nm, st.st_size))
+        entries.sort()
+        self._last_stamp = max([e[0] for e in entries] + [0])
+        for _, nm, size in entries:
+            self._index[nm] = size
+            self._used += size
+        self._evict_to(self.capacity_bytes, protect=())
+        if entries:
+            log.info("storage tier %s: %d pages (%d bytes) from an earlier run", self.path,
+                     len(self._index), self._used)
+
+    def _check_file(self, nm: str) -> str:
+        try:
+            fd = os.open(os.path.join(self.path, nm), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            return f"open: {e.strerror}"
+        try:
+            st = os.fstat(fd)
+            raw = os.pread(fd, HDR, 0)
+            _, reason = parse_header(raw, self._fp, bytes.fromhex(nm[:32]), self.page_nbytes)
+            if reason:
+                return reason
+            pn = struct.unpack_from("<Q", raw, 12)[0]
+            if st.st_size != HDR + pn:
+                return f"size {st.st_size} != {HDR + pn}"
+            return ""
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------ helpers
+    def _name(self, key: bytes) -> str:
+        return key_id(key, self._fp).hex() + ".kv"
+
+    def _unlink(self, nm: str) -> None:
+        try:
+            os.unlink(os.path.join(self.path, nm))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("storage tier: cannot delete %s: %s", nm, e)
+
+    def _drop(self, nm: str, corrupt: bool) -> None:
+        size = self._index.pop(nm, None)
+        if size is not None:
+            self._used -= size
+        self._unlink(nm)
+        if corrupt:
+            self._c["corrupt_dropped"] += 1
+
+    def _evict_to(self, limit: int, protect) -> bool:
+        """Evict LRU files until used <= limit, skipping `protect`. True if it got there."""
+        if self._used <= limit:
+            return True
+        for nm in list(self._index.keys()):
+            if self._used <= limit:
+                break
+            if nm in protect:
+                continue
+            self._drop(nm, corrupt=False)
+            self._c["evictions"] += 1
+        return self._used <= limit
+
+    def _ensure_hdr_buf(self, n: int) -> np.ndarray:
+        if self._hdr_buf is None or self._hdr_buf.shape[0] < n:
+            if self._hdr_reg is not None:
+                self._agent.deregister_memory(self._hdr_reg)
+                self._hdr_reg = None
+            self._hdr_buf = np.zeros((max(n, 64), HDR), dtype=np.uint8)
+            if self._agent is not None:
+                self._hdr_reg = self._agent.register_memory(
+                    [(self._hdr_buf.ctypes.data, self._hdr_buf.nbytes, 0, "")], "DRAM", backends=[self._bk])
+        return self._hdr_buf
+
+    def _nixl_io(self, op: str, fds: List[int], size: int, hdr: np.ndarray, data: np.ndarray, n: int) -> bool:
+        """One NIXL transfer for n files: header i <-> hdr[i], payload i <-> data[i]."""
+        a, bk = self._agent, self._bk
+        P = data.shape[1]
+        fregs = dreg = h = None
+        try:
+            fregs = a.register_memory([(0, size, fd, "") for fd in fds], "FILE", backends=[bk])
+            dreg = a.register_memory([(data.ctypes.data, n * P, 0, "")], "DRAM", backends=[bk])
+            loc, rem = [], []
+            hb, db = hdr.ctypes.data, data.ctypes.data
+            for i, fd in enumerate(fds):
+                loc += [(hb + i * HDR, HDR, 0), (db + i * P, P, 0)]
+                rem += [(0, HDR, fd), (HDR, P, fd)]
+            h = a.initialize_xfer(op, a.get_xfer_descs(loc, "DRAM"), a.get_xfer_descs(rem, "FILE"),
+                                  a.name, backends=[bk])
+            st = post_xfer(a, h)
+            if st == "PROC":
+                st = wait_xfers(a, [h], None)[0]
+            return st == "DONE"
+        except Exception as e:
+            log.debug("storage tier NIXL %s failed: %r", op, e)
+            return False
+        finally:
+            for obj, fn in ((h, a.release_xfer_handle), (fregs, a.deregister_memory), (dreg, a.deregister_memory)):
+                if obj is not None:
+                    try:
+                        fn(obj)
+                    except Exception as e:  # pragma: no cover
+                        log.debug("storage tier NIXL cleanup: %r", e)
+
+    def _nixl_failed(self, what: str) -> None:
+        self._c["nixl_fallbacks"] += 1
+        if self._bk == "GDS":
+            log.warning("storage tier: GDS %s failed; switching to NIXL POSIX", what)
+            try:
+                if self._hdr_reg is not None:
+                    self._agent.deregister_memory(self._hdr_reg)
+            except Exception:
+                pass
+            self._hdr_reg = None
+            self._hdr_buf = None
+            self._agent.create_backend("POSIX")
+            self._bk = "POSIX"
+
+    # ------------------------------------------------------------------ protocol
+    def contains_prefix(self, keys: List[bytes]) -> int:
+        keys = check_keys(keys)
+        with self._lock:
+            if self._closed:
+                return 0
+            n = 0
+            for k in keys:
+                if self._name(k) not in self._index:
+                    break
+                n += 1
+            return n
+
+    def get_many_into(self, keys: List[bytes], out) -> int:
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        out = as_pages(out, len(keys), writable=True, what="out")
+        P = out.shape[1]
+        size = HDR + P
+        with self._lock:
+            if self._closed:
+                return 0
+            names = []
+            for k in keys:
+                nm = self._name(k)
+                if nm not in self._index:
+                    break
+                names.append(nm)
+            fds: List[int] = []
+            t0 = time.perf_counter()
+            try:
+                for nm in names:  # open the leading files; a vanished or mis-sized one ends the run
+                    try:
+                        fd = os.open(os.path.join(self.path, nm), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    except OSError:
+                        self._drop(nm, corrupt=True)
+                        break
+                    st_size = os.fstat(fd).st_size
+                    if st_size != size:
+                        os.close(fd)
+                        if st_size == self._index.get(nm):  # intact, but the caller's page size differs
+                            self._c["size_mismatch"] += 1
+                        else:                               # truncated or rewritten behind our back
+                            self._drop(nm, corrupt=True)
+                        break
+                    fds.append(fd)
+                n = len(fds)
+                hdr = self._ensure_hdr_buf(n)
+                if n:
+                    ok = False
+                    if self._agent is not None:
+                        ok = self._nixl_io("READ", fds, size, hdr, out, n)
+                        if not ok:
+                            self._nixl_failed("read")
+                    if not ok:
+                        for i, fd in enumerate(fds):
+                            try:
+                                os.preadv(fd, [memoryview(hdr[i]), memoryview(out[i])], 0)
+                            except OSError as e:
+                                log.debug("storage tier pread: %s", e)
+                                hdr[i, :4] = 0  # fails validation below
+                sums = page_checksums(out, n)
+                k = 0
+                for i in range(n):
+                    want, reason = parse_header(hdr[i], self._fp, bytes.fromhex(names[i][:32]), P)
+                    if reason or want != sums[i]:
+                        log.info("storage tier: dropping %s (%s)", names[i], reason or "payload checksum")
+                        self._drop(names[i], corrupt=True)
+                        break
+                    k += 1
+                for i in range(k):
+                    self._index.move_to_end(names[i])
+                    self._stamp(fds[i])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self._c["read_s"] += time.perf_counter() - t0
+            self._c["hits"] += k
+            self._c["misses"] += len(keys) - k
+            self._c["bytes_read"] += k * P
+            return k
+
+    def put_many(self, keys: List[bytes], pages) -> int:
+        """Stores the pages it does not have yet. Returns the number of leading keys the tier holds
+        after the call (pages already present count)."""
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        pages = as_pages(pages, len(keys))
+        P = pages.shape[1]
+        size = HDR + P
+        with self._lock:
+            if self._closed:
+                return 0
+            if self.page_nbytes is not None and P != self.page_nbytes:
+                raise ValueError(f"storage tier page_nbytes is {self.page_nbytes}, got pages of {P}")
+            names = [self._name(k) for k in keys]
+            todo: List[int] = []
+            seen = set()
+            for i, nm in enumerate(names):
+                if nm in self._index:
+                    self._index.move_to_end(nm)
+                elif nm not in seen:
+                    seen.add(nm)
+                    todo.append(i)
+            if todo and time.monotonic() < self._degraded_until:
+                self._c["writes_skipped"] += len(todo)
+                todo = []
+            if todo:
+                protect = set(names)
+                fit = max(0, self.capacity_bytes // size)
+                todo = todo[:fit]
+                while todo and not self._evict_to(self.capacity_bytes - len(todo) * size, protect):
+                    todo.pop()
+            if todo:
+                self._write(todo, names, pages, size)
+            n = 0
+            for nm in names:
+                if nm not in self._index:
+                    break
+                n += 1
+            return n
+
+    def _write(self, todo: List[int], names: List[str], pages: np.ndarray, size: int) -> None:
+        P = size - HDR
+        t0 = time.perf_counter()
+        # rows to write, contiguous: the caller's pages when todo is 0..m-1, else a gathered copy
+        src = pages if todo == list(range(len(todo))) else np.ascontiguousarray(pages[todo])
+        sums = page_checksums(src, len(todo))
+        hdr = self._ensure_hdr_buf(len(todo))
+        tmps: List[Tuple[int, str, str]] = []  # (fd, tmp name, final name)
+        full = False
+        try:
+            for j, i in enumerate(todo):
+                nm = names[i]
+                hdr[j] = np.frombuffer(build_header(P, self._fp, bytes.fromhex(nm[:32]), sums[j]), np.uint8)
+                tmp = f".tmp.{nm[:32]}.{os.urandom(4).hex()}"
+                try:
+                    fd = os.open(os.path.join(self.path, tmp),
+                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        full = True
+                    else:
+                        log.warning("storage tier: cannot create %s: %s", tmp, e)
+                        self._c["failures"] += 1
+                    break
+                try:
+                    os.fchmod(fd, 0o600)
+                    _preallocate(fd, size)
+                except OSError as e:
+                    os.close(fd)
+                    self._unlink(tmp)
+                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                        raise
+                    full = True
+                    break
+                tmps.append((fd, tmp, nm))
+            if full:
+                self._enter_disk_full(len(todo) - len(tmps))
+            n = len(tmps)
+            if n == 0:
+                return
+            ok = False
+            if self._agent is not None:
+                ok = self._nixl_io("WRITE", [t[0] for t in tmps], size, hdr, src, n)
+                if not ok:
+                    self._nixl_failed("write")
+            if not ok:
+                try:
+                    for j, (fd, _, _) in enumerate(tmps):
+                        if os.pwritev(fd, [memoryview(hdr[j]), memoryview(src[j])], 0) != size:
+                            raise OSError(errno.EIO, "short write")
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                        self._enter_disk_full(n)
+                    else:
+                        log.warning("storage tier write failed: %s", e)
+                        self._c["failures"] += 1
+                    for _, tmp, _ in tmps:
+                        self._unlink(tmp)
+                    return
+            for fd, tmp, nm in tmps:
+                self._stamp(fd)
+                os.rename(os.path.join(self.path, tmp), os.path.join(self.path, nm))
+                self._index[nm] = size
+                self._used += size
+            self._c["pages_written"] += n
+            self._c["bytes_written"] += n * P
+            self._c["write_s"] += time.perf_counter() - t0
+        except BaseException:
+            for _, tmp, _ in tmps:
+                self._unlink(tmp)
+            raise
+        finally:
+            for fd, _, _ in tmps:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _stamp(self, fd: int) -> None:
+        """mtime = a strictly increasing use stamp, so the LRU order (even within one batch)
+        survives a restart: the start-up scan sorts by mtime."""
+        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
+        try:
+            os.utime(fd, ns=(self._last_stamp, self._last_stamp))
+        except OSError:
+            pass
+
+    def _enter_disk_full(self, skipped: int) -> None:
+        self._c["disk_full"] += 1
+        self._c["writes_skipped"] += skipped
+        self._degraded_until = time.monotonic() + self._disk_full_retry_s
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning("storage tier %s: disk full (ENOSPC); writes disabled, retrying every %.0f s "
+                        "(counted in stats()['disk_full'])", self.path, self._disk_full_retry_s)
+
+    def discard(self, keys: List[bytes]) -> None:
+        keys = check_keys(keys)
+        with self._lock:
+            if self._closed:
+                return
+            for k in keys:
+                nm = self._name(k)
+                if nm in self._index:
+                    self._drop(nm, corrupt=False)
+
+    def stats(self) -> dict:
+        with self._lock:
+            c = dict(self._c)
+            for k, v in c.items():
+                if k not in ("read_s", "write_s"):
+                    c[k] = int(v)
+            c.update(
+                name=self.name, node=self.node, path=self.path,
+                backend=("nixl-" + self._bk.lower()) if self._agent is not None else "os",
+                pages=len(self._index), used_bytes=self._used, capacity_bytes=self.capacity_bytes,
+                bytes=int(self._c["bytes_read"] + self._c["bytes_written"]),
+                write_degraded=time.monotonic() < self._degraded_until,
+                read_gbps=(self._c["bytes_read"] / self._c["read_s"] / 1e9) if self._c["read_s"] else 0.0,
+                write_gbps=(self._c["bytes_written"] / self._c["write_s"] / 1e9) if self._c["write_s"] else 0.0,
+                closed=self._closed)
+            return c
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._agent is not None and self._hdr_reg is not None:
+                try:
+                    self._agent.deregister_memory(self._hdr_reg)
+                except Exception:
+                    pass
+            self._hdr_reg = None
+            self._agent = None
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._lock_fd)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

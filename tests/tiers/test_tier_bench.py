@@ -1,0 +1,29 @@
+"""The tier benchmark runs end to end on tiny sizes and reports throughputs and ratios."""
+from __future__ import annotations
+
+import pytest
+
+from flexflow_sglang.tiers import bench
+
+from tier_helpers import requires_nixl
+
+
+def test_bench_storage_only_without_nixl(monkeypatch, tmp_path):
+    from flexflow_sglang.tiers import storage as storage_mod
+    monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
+    r = bench.run(page_nbytes=32 * 1024, n_pages=4, repeats=1, storage_dir=str(tmp_path), remote=False)
+    assert r["storage_backend"] == "os"
+    assert r["storage_write_ratio"] > 0 and r["storage_read_ratio"] > 0
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(120)
+def test_bench_run_reports_ratios(tmp_path):
+    r = bench.run(page_nbytes=64 * 1024, n_pages=8, repeats=1, storage_dir=str(tmp_path))
+    assert r["storage_backend"] == "nixl-posix"
+    for k in ("storage_write", "storage_read", "remote_write", "remote_read"):
+        assert r[f"{k}_gbps"] > 0 and r[f"{k}_ratio"] > 0, (k, r)
+    for k in ("plain_write_gbps", "plain_read_gbps", "raw_ucx_write_gbps", "raw_ucx_read_gbps", "crc32_gbps"):
+        assert r[k] > 0
+    assert r["remote_timeouts"] == 0

@@ -118,6 +118,7 @@ class StorageTierConfig:
     capacity_gb: float = 10.0
     backend: str = "auto"  # auto | posix | gds
     eviction: str = "lru"
+    write_through: bool = True  # copy every stored page here too (else only host-tier evictions)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class RemoteTierConfig:
     listen: str = "127.0.0.1:0"
     timeout_ms: float = 2000.0
     retry_after_s: float = 10.0
+    write_through: bool = True
 
 
 _RULES: Dict[str, Dict[str, tuple]] = {
@@ -138,9 +140,11 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                   "write_policy": ("choice", ("write_through", "on_evict")), "verify_checksums": ("bool", None),
                   "pin_memory": ("choice", ("auto", "always", "never"))},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
-                     "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",))},
+                     "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",)),
+                     "write_through": ("bool", None)},
     "remote_tier": {"enabled": ("bool", None), "peers": ("str_list", None), "listen": ("str", None),
-                    "timeout_ms": ("positive", None), "retry_after_s": ("positive", None)},
+                    "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),
+                    "write_through": ("bool", None)},
     "selector": _SELECTOR_RULES,
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",

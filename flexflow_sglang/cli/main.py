@@ -205,7 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_PASSTHROUGH = {"make-tiny-model": "flexflow_sglang.cpu_support.tiny_model",
+                "verify-outputs": "flexflow_sglang.verify_outputs",
+                "tier-server": "flexflow_sglang.tiers.tier_server",
+                "quickstart": "flexflow_sglang.quickstart"}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PASSTHROUGH:  # the tool parses its own options (argparse REMAINDER drops them)
+        import importlib
+        return int(importlib.import_module(_PASSTHROUGH[argv[0]]).main(argv[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,

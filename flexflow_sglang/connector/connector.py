@@ -13,6 +13,7 @@ of one page *given everything before it*, on this rank's shard of this model.
 from __future__ import annotations
 
 import hashlib
+import os
 import logging
 from array import array
 from collections import deque
@@ -107,7 +108,8 @@ class FlexFlowConnector:
         self._m: Dict[str, int] = {k: 0 for k in (
             "lookups", "lookup_pages_host", "lookup_pages_deep", "loads", "load_failures", "pages_loaded",
             "pages_loaded_host", "pages_loaded_deep", "stores", "store_failures", "pages_stored", "pages_deduplicated",
-            "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled")}
+            "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled", "pages_written_through",
+            "write_through_failures")}
         self._hits_by_tier: Dict[str, int] = {"host": 0}
         logger.info("flexflow connector: %s; host tier %d pages (%.1f MiB%s) on %s, policy %s, checksums %s, "
                     "device node %s, deeper tiers %s", layout.describe(), cap_pages,
@@ -147,7 +149,10 @@ class FlexFlowConnector:
             gpu_id = getattr(runner, "gpu_id", None)
             if isinstance(gpu_id, int):
                 device_index = gpu_id
-        conn = cls(layout, config, fingerprint=fp, device_index=device_index, **kw)
+        cfg = config if config is not None else load_config()
+        if "tiers" not in kw:
+            kw["tiers"] = build_deeper_tiers(cfg, fp, layout.page_nbytes)
+        conn = cls(layout, cfg, fingerprint=fp, device_index=device_index, **kw)
         if ctx is not None and layout.device.type == "cuda":
             runner = getattr(ctx.tp_worker, "model_runner", None)
             conn.executor.wait_stream = getattr(runner, "forward_stream", None)
@@ -339,6 +344,22 @@ class FlexFlowConnector:
         self._m["pages_stored"] += len(pages)
         h.stored_pages = len(pages)
         h.done, h.ok = True, complete
+        if pages:
+            self._write_through(mkeys, pages)
+
+    def _write_through(self, keys, pages) -> None:
+        """Copy freshly stored pages to deeper tiers configured write-through (persistence across
+        restarts, sharing with other instances). Synchronous; a failure only costs a future hit."""
+        for tier in self.tiers:
+            if not getattr(tier, "write_through", False):
+                continue
+            try:
+                rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long)).view(torch.uint8)
+                n = self.executor.tier_io(self.host_node, tier.node, rows.numel(), lambda: tier.put_many(keys, rows))
+                self._m["pages_written_through"] += int(n or 0)
+            except Exception:  # noqa: BLE001
+                logger.exception("flexflow: write-through of %d pages to %s failed", len(keys), tier.name)
+                self._m["write_through_failures"] += 1
 
     def _store_failed(self, h: StoreHandle, why: str) -> None:
         self._m["store_failures"] += 1
@@ -457,3 +478,34 @@ def _safe_stats(tier) -> dict:
         return dict(tier.stats())
     except Exception:  # noqa: BLE001
         return {"error": "stats unavailable"}
+
+
+def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int) -> List[KVTier]:
+    """Storage and remote tiers named by the config, below the host tier.
+
+    The storage directory gets one subdirectory per model/layout/shard fingerprint, so TP ranks
+    (and different models) never share files and never contend for a directory lock. A tier that
+    cannot start (directory locked by another process, NIXL missing, no peer reachable) is logged
+    and left out: the server still serves, with fewer tiers."""
+    out: List[KVTier] = []
+    fp_text = repr(sorted((k, v) for k, v in fingerprint.items()))
+    fp_hash = hashlib.blake2b(fp_text.encode(), digest_size=8).hexdigest()
+    if cfg.storage_tier.enabled:
+        from dataclasses import replace
+        from ..tiers import storage_from_config
+        sc = replace(cfg.storage_tier, path=os.path.join(cfg.storage_tier.path, fp_hash))
+        try:
+            tier = storage_from_config(sc, fingerprint=fp_text, page_nbytes=page_nbytes)
+            tier.write_through = cfg.storage_tier.write_through
+            out.append(tier)
+        except Exception as e:  # noqa: BLE001 - a tier failing to start must not stop serving
+            logger.warning("flexflow: storage tier at %s disabled: %s", sc.path, e)
+    if cfg.remote_tier.enabled and cfg.remote_tier.peers:
+        from ..tiers import remote_from_config
+        try:
+            tier = remote_from_config(cfg.remote_tier)
+            tier.write_through = cfg.remote_tier.write_through
+            out.append(tier)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("flexflow: remote tier (peers %s) disabled: %s", list(cfg.remote_tier.peers), e)
+    return out

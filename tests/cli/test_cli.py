@@ -68,3 +68,10 @@ def test_bench_selector_json(capsys):
     rc, out, _ = run(capsys, "bench", "selector", "--json", "-n", "2000", "--topologies", "dgx8")
     d = json.loads(out)
     assert rc == 0 and d["results"]["dgx8"]["python"]["median_us"] > 0
+
+
+def test_passthrough_tools_keep_their_options(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["tier-server", "--help"])
+    assert ei.value.code == 0
+    assert "--listen" in capsys.readouterr().out

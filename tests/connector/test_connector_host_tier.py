@@ -253,7 +253,7 @@ def test_agent_gets_feedback(make_conn):
     c = make_conn(kv, 1)
     calls = []
     orig = c.agent.report_transfer
-    c.agent.report_transfer = lambda links, n, s, q=0.0: calls.append((tuple(links), n)) or orig(links, n, s, q)
+    c.agent.report_transfer = lambda links, n, s, q=0.0, **kw: calls.append((tuple(links), n)) or orig(links, n, s, q, **kw)
     keys = c.page_keys(list(range(40)))
     c.store(keys, rand_slots(40, 1, 19))
     assert calls and calls[0][1] == 40 * c.layout.page_nbytes

@@ -92,6 +92,8 @@ def normalize_response(resp: dict) -> dict:
         "cached_tokens": int(meta.get("cached_tokens") or 0),
         "host_cached": int(details.get("host") or 0),
         "device_cached": int(details.get("device") or 0),
+        # tokens loaded from deeper tiers (storage / remote) are reported separately by SGLang
+        "storage_cached": int(details.get("storage") or 0),
         "e2e_latency": meta.get("e2e_latency"),
     }
 
@@ -119,7 +121,7 @@ def host_hit_check(got: dict, min_tokens: int = DEFAULT_MIN_HOST_TOKENS) -> tupl
     n = int(got.get("prompt_tokens") or 0)
     if n < min_tokens:
         return None, f"host-hit check skipped: prompt has {n} tokens < min {min_tokens}"
-    if int(got.get("host_cached") or 0) <= 0:
+    if int(got.get("host_cached") or 0) + int(got.get("storage_cached") or 0) <= 0:
         return (f"no host hit on R2 (cached_tokens {got.get('cached_tokens', 0)}: device "
                 f"{got.get('device_cached', 0)}, host {got.get('host_cached', 0)})"), None
     return None, None
@@ -147,7 +149,8 @@ class PromptVerdict:
         for name, res in (("R1", self.r1), ("R2", self.r2)):
             if res and "cached_tokens" in res:
                 parts.append(f"{name} cached={res['cached_tokens']} (device {res['device_cached']}, "
-                             f"host {res['host_cached']})")
+                             f"host {res['host_cached']}"
+                             + (f", storage {res['storage_cached']})" if res.get("storage_cached") else ")"))
         text = " ".join(parts)
         if self.problems:
             text += " :: " + "; ".join(self.problems)

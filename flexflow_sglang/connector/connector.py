@@ -111,11 +111,12 @@ class FlexFlowConnector:
             "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled", "pages_written_through",
             "write_through_failures")}
         self._hits_by_tier: Dict[str, int] = {"host": 0}
-        logger.info("flexflow connector: %s; host tier %d pages (%.1f MiB%s) on %s, policy %s, checksums %s, "
-                    "device node %s, deeper tiers %s", layout.describe(), cap_pages,
+        logger.info("flexflow: config %s; topology %s; selector core %s; host tier %d pages (%.1f MiB%s) on %s, "
+                    "policy %s, checksums %s; deeper tiers %s; device node %s; %s",
+                    self.config.path or "<defaults>", self.topology.summary(), self.selector.impl, cap_pages,
                     cap_pages * layout.page_nbytes / 2**20, ", pinned" if pin else "", self.host_node,
-                    self.write_policy, "on" if hc.verify_checksums else "off", self.device_node,
-                    [t.name for t in self.tiers] or "none")
+                    self.write_policy, "on" if hc.verify_checksums else "off",
+                    ", ".join(_describe_tier(t) for t in self.tiers) or "none", self.device_node, layout.describe())
 
     @staticmethod
     def _capacity_pages(hc, layout: KVLayout) -> int:
@@ -509,3 +510,12 @@ def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int)
         except Exception as e:  # noqa: BLE001
             logger.warning("flexflow: remote tier (peers %s) disabled: %s", list(cfg.remote_tier.peers), e)
     return out
+
+
+def _describe_tier(tier) -> str:
+    try:
+        st = tier.stats()
+    except Exception:  # noqa: BLE001
+        st = {}
+    extra = [f"{k}={st[k]}" for k in ("backend", "path", "capacity_bytes", "peers") if k in st]
+    return f"{tier.name}({', '.join(extra)})" if extra else tier.name

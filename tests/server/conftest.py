@@ -89,3 +89,22 @@ def start_server_module(sglang_ready, tmp_path_factory):
     yield start
     for srv in reversed(started):
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def plain_baseline(sglang_ready, tiny_model, tmp_path_factory) -> str:
+    """Greedy outputs of the PLAIN server (no --radix-cache-backend) for the shipped prompt set,
+    recorded once per session with verify_outputs' baseline phase; the plain server's own
+    determinism is checked too, so a later mismatch is the backend's."""
+    from flexflow_sglang.server_utils import SGLangServer
+    from server_helpers import MAX_TOTAL_TOKENS, PROMPTS, verify
+
+    d = tmp_path_factory.mktemp("baseline")
+    out = str(d / "baseline.json")
+    with SGLangServer(tiny_model, log_path=str(d / "plain.log"), max_total_tokens=MAX_TOTAL_TOKENS) as srv:
+        rc, stdout, stderr, last = verify("--phase", "baseline", "--url", srv.url, "--prompts", PROMPTS, "--out", out)
+        assert rc == 0, stdout + stderr
+        rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", PROMPTS,
+                                          "--baseline", out, "--no-host-hit")
+        assert rc == 0 and last == "Total mismatches: 0", stdout + stderr
+    return out

@@ -16,3 +16,44 @@ def repo_env(extra=None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(parts)
     env.update(extra or {})
     return env
+
+
+# ---------------------------------------------------------------- flexflow end-to-end helpers
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+PROMPTS = str(PROMPTS_FILE)
+MAX_TOTAL_TOKENS = 8192
+
+
+def verify(*args, timeout=900):
+    """Run `python -m flexflow_sglang.verify_outputs` as a user would; (rc, stdout, stderr, last line)."""
+    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.verify_outputs", "--no-progress", *args],
+                       capture_output=True, text=True, timeout=timeout, env=repo_env())
+    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    return p.returncode, p.stdout, p.stderr, last
+
+
+def flexflow_metrics(url) -> dict:
+    """flexflow_* series from /metrics, summed over label sets (ranks)."""
+    import requests
+    out = {}
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("flexflow_") and " " in line:
+            name, _, val = line.rpartition(" ")
+            key = name.split("{")[0]
+            try:
+                out[key] = out.get(key, 0.0) + float(val)
+            except ValueError:
+                pass
+    return out
+
+
+def write_config(tmp_path, name, host_tier=None, **sections) -> str:
+    """A FLEXFLOW_CONFIG for the CPU server (mock single-device topology) with overrides."""
+    import yaml
+    cfg = {"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+           "host_tier": {"capacity_gb": 0.25, **(host_tier or {})}, **sections}
+    path = Path(tmp_path) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)

@@ -32,21 +32,21 @@ def _dtype(d) -> torch.dtype:
         raise ValueError(f"unknown dtype {d!r}") from None
 
 
-def _kv_pool(size: int, page_size: int, dtype, heads: int, head_dim: int, layers: int):
+def _kv_pool(size: int, page_size: int, dtype, heads: int, head_dim: int, layers: int, device: str = "cpu"):
     """The real SGLang MHATokenToKVPool when importable, else buffers of the same shape and layout."""
     try:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         kv = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=heads, head_dim=head_dim,
-                              layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+                              layer_num=layers, device=device, enable_memory_saver=False, enable_alt_stream=False)
         return [(k, v) for k, v in zip(kv.k_buffer, kv.v_buffer)], "sglang MHATokenToKVPool"
     except ImportError:
         rows = size + page_size
-        fused = [torch.zeros((2, rows, heads, head_dim), dtype=dtype) for _ in range(layers)]
+        fused = [torch.zeros((2, rows, heads, head_dim), dtype=dtype, device=device) for _ in range(layers)]
         return [(f[0], f[1]) for f in fused], "torch buffers (sglang not importable)"
 
 
 def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify: bool, seed: int,
-              progress: bool, label: str) -> Dict[str, Any]:
+              progress: bool, label: str, device: str = "cpu") -> Dict[str, Any]:
     from tqdm import tqdm
 
     from ..config import config_from_dict
@@ -55,13 +55,17 @@ def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify:
     layout = KVLayout.from_buffers(layers_bufs, page_size)
     cfg = config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
                             "host_tier": {"capacity_tokens": num_pages * page_size, "verify_checksums": verify,
-                                          "pin_memory": "never"}}, "<bench>")
+                                          "pin_memory": "never" if device == "cpu" else "auto"}}, "<bench>")
     conn = FlexFlowConnector(layout, cfg, fingerprint={"bench": True}, start_agent=False)
     try:
         nbytes = num_pages * layout.page_nbytes
-        src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
-        dst = torch.zeros_like(src)
+        cuda = device != "cpu"
+        # baseline: a plain copy of the same bytes; on a GPU, pinned host <-> device (cudaMemcpy)
+        host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda).random_(0, 255)
+        dev_buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        src, dst = (dev_buf, host_buf) if cuda else (host_buf, dev_buf)
         dst.copy_(src)  # touch both once
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
         g = torch.Generator().manual_seed(seed)
         total_dev_pages = layout.num_device_pages - 1  # page 0 is SGLang's padding page
         rec = {"store_s": [], "load_s": [], "copy_s": [], "store_ratio": [], "load_ratio": []}
@@ -81,20 +85,25 @@ def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify:
             hash_s += time.perf_counter() - t0
             conn.host.clear()
 
+            sync()
             t0 = time.perf_counter()
-            dst.copy_(src)
+            dst.copy_(src)  # store direction: device -> host
+            sync()
             t_copy1 = time.perf_counter() - t0
             t0 = time.perf_counter()
-            h = conn.store(keys, src_slots)
+            h = conn.store(keys, src_slots.to(device))
+            sync()
             t_store = time.perf_counter() - t0
             if not h.ok:
                 raise RuntimeError("bench store failed")
 
             t0 = time.perf_counter()
-            dst.copy_(src)
+            src.copy_(dst)  # load direction: host -> device
+            sync()
             t_copy2 = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ok = conn.load(keys, dst_slots)
+            ok = conn.load(keys, dst_slots.to(device))
+            sync()
             t_load = time.perf_counter() - t0
             if not ok:
                 raise RuntimeError("bench load failed")
@@ -129,7 +138,7 @@ def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify:
 
 def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int = 128, dtype="float16",
         page_size: int = 16, repeats: int = 10, seed: int = 0, checksums: Optional[bool] = None,
-        progress: bool = True) -> Dict[str, Any]:
+        progress: bool = True, device: str = "cpu") -> Dict[str, Any]:
     """Measure store/load throughput through the connector vs `copy_` of the same bytes.
 
     `checksums`: None measures both with and without page checksums; True/False only that mode.
@@ -141,7 +150,7 @@ def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int =
     dt = _dtype(dtype)
     num_pages = num_tokens // page_size
     pool_tokens = (2 * num_pages + 2) * page_size  # source and destination pages never overlap
-    bufs, pool_kind = _kv_pool(pool_tokens, page_size, dt, heads, head_dim, layers)
+    bufs, pool_kind = _kv_pool(pool_tokens, page_size, dt, heads, head_dim, layers, device)
     for k, v in bufs:  # non-zero, distinct contents
         k.copy_(torch.randn(k.shape).to(dt))
         v.copy_(torch.randn(v.shape).to(dt))
@@ -150,10 +159,11 @@ def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int =
         "num_tokens": num_pages * page_size, "layers": layers, "heads": heads, "head_dim": head_dim,
         "dtype": str(dt).replace("torch.", ""), "page_size": page_size, "repeats": repeats,
         "torch_threads": torch.get_num_threads(), "pool": pool_kind, "target_ratio": TARGET_RATIO,
+        "device": device,
     }
     for verify in modes:
         name = "with_checksums" if verify else "without_checksums"
-        out[name] = _one_mode(bufs, page_size, num_pages, repeats, verify, seed, progress, name)
+        out[name] = _one_mode(bufs, page_size, num_pages, repeats, verify, seed, progress, name, device)
     main = out["with_checksums" if True in modes else "without_checksums"]
     out["store_ratio"], out["load_ratio"] = main["store_ratio"], main["load_ratio"]
     out["target_met"] = {name: out[name]["store_ratio"] >= TARGET_RATIO and out[name]["load_ratio"] >= TARGET_RATIO
@@ -161,6 +171,40 @@ def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int =
     return out
 
 
-if __name__ == "__main__":  # python -m flexflow_sglang.bench.host_tier
+def main(argv=None) -> int:
+    """`flexflow bench host-tier`: store/load through the connector vs a plain copy of the same bytes."""
+    import argparse
     import json
-    print(json.dumps(run(), indent=2))
+    ap = argparse.ArgumentParser(prog="flexflow bench host-tier", description=main.__doc__)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--checksums", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", help="also write the JSON result here")
+    a = ap.parse_args(argv)
+    res = run(a.tokens, a.layers, a.heads, a.head_dim, a.dtype, a.page_size, a.repeats,
+              checksums=None if a.checksums == "both" else a.checksums == "on", progress=not a.json, device=a.device)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=2)
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"host tier on {res['device']}: {res['num_tokens']} tokens x {res['layers']} layers, page {res['page_size']}, "
+          f"{res['dtype']}; baseline = plain copy of the same bytes in the same run")
+    for mode in ("with_checksums", "without_checksums"):
+        if mode in res:
+            m = res[mode]
+            print(f"  {mode:<18} store {m['store_gbps']:7.2f} GB/s ({m['store_ratio']:.2f}x copy)   "
+                  f"load {m['load_gbps']:7.2f} GB/s ({m['load_ratio']:.2f}x copy)   copy {m['copy_gbps']:.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":  # python -m flexflow_sglang.bench.host_tier
+    raise SystemExit(main())

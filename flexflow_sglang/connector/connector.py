@@ -496,6 +496,8 @@ def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int)
         from ..tiers import storage_from_config
         sc = replace(cfg.storage_tier, path=os.path.join(cfg.storage_tier.path, fp_hash))
         try:
+            # the configured root is created owner-only too (makedirs' mode covers only the leaf)
+            os.makedirs(cfg.storage_tier.path, mode=0o700, exist_ok=True)
             tier = storage_from_config(sc, fingerprint=fp_text, page_nbytes=page_nbytes)
             tier.write_through = cfg.storage_tier.write_through
             out.append(tier)

@@ -46,6 +46,7 @@ def test_storage_tier_survives_restart(plain_baseline, tiny_model, start_server,
     # owner-only directory and files; names are hashes, never request content
     subdirs = [p for p in kv_dir.iterdir() if p.is_dir()]
     assert subdirs and stat.S_IMODE(kv_dir.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(d.stat().st_mode) == 0o700 for d in subdirs)
     files = [p for d in subdirs for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")]
     assert files, "nothing was written to the storage tier"
     assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)

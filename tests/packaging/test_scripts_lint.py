@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = [".ci/run", ".ci/setup-cpu.sh", "docker/quickstart.sh"]
+SCRIPTS = [".ci/run", ".ci/setup-cpu.sh", "docker/quickstart.sh", "benchmarks/gpu/run.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -34,3 +34,18 @@ def test_dockerfile_consistent_with_cpu_path():
     assert "--radix-cache-backend" in df and "FLEXFLOW_CONFIG" in df
     cfg = re.search(r"FLEXFLOW_CONFIG=/opt/flexflow/(\S+)", df).group(1)
     assert os.path.exists(os.path.join(ROOT, cfg))
+
+
+def test_gpu_script_dry_run(tmp_path):
+    """benchmarks/gpu/run.sh cannot meet a GPU here: its driver must at least run every step's CPU logic."""
+    import json
+    env = {**os.environ, "OUT": str(tmp_path)}
+    p = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "run.sh"), "--dry-run"], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.load(open(tmp_path / "gpu_bench.json"))
+    steps = summary["steps"]
+    assert set(steps) == {"host_tier", "peer_relay_split", "verify_outputs"}
+    assert steps["host_tier"]["with_checksums"]["roundtrip_equal"]
+    assert steps["peer_relay_split"]["relay_bytes_ok"]
+    assert steps["peer_relay_split"]["selector_decision"]["chosen_type"] in ("NVLinkRelay", "SplitPath")

@@ -54,6 +54,7 @@ def main(argv=None) -> int:
         flush_cache(server.url)
         print("[5/5] request 2 (same prompt)", flush=True)
         r2 = generate(server.url, PROMPT, args.max_new_tokens)
+        time.sleep(1.5)  # the backend exports its counters at most once a second
         metrics = _flexflow_metrics(server.url)
     m1, m2 = r1["meta_info"], r2["meta_info"]
     d2 = m2.get("cached_tokens_details") or {}
@@ -82,11 +83,17 @@ def _flexflow_metrics(url: str) -> dict:
     except Exception as e:  # metrics are informative only
         return {"error": str(e)}
     out = {}
+    keep = ("pages_stored", "pages_loaded", "bytes_loaded", "bytes_stored", "hits_by_tier", "load_failures",
+            "store_failures", "host_tier_used_bytes", "host_tier_capacity_bytes", "cache_load_backs",
+            "cache_load_back_tokens", "bandwidth")
     for line in text.splitlines():
         if line.startswith("flexflow_") and " " in line:
             name, _, value = line.rpartition(" ")
+            name = name.split("{")[0][len("flexflow_"):]
+            if not any(k in name for k in keep):
+                continue
             try:
-                out[name] = float(value)
+                out[name] = out.get(name, 0.0) + float(value)
             except ValueError:
                 pass
     return out

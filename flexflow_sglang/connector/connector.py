@@ -143,7 +143,11 @@ class FlexFlowConnector:
             try:
                 from sglang.srt.runtime_context import get_parallel
                 par = get_parallel()
+                # the KV shard is named by the attention-TP rank: data-parallel attention replicas
+                # (different global tp_rank, same shard) must share keys, different shards never
                 fp.update(attn_tp_rank=par.attn_tp_rank, attn_tp_size=par.attn_tp_size)
+                fp.pop("tp_rank", None)
+                fp.pop("tp_size", None)
             except Exception:  # noqa: BLE001 - no published context (tests); tp_rank already names the shard
                 pass
             runner = getattr(ctx.tp_worker, "model_runner", None)
@@ -152,7 +156,8 @@ class FlexFlowConnector:
                 device_index = gpu_id
         cfg = config if config is not None else load_config()
         if "tiers" not in kw:
-            kw["tiers"] = build_deeper_tiers(cfg, fp, layout.page_nbytes)
+            rank_dir = f"rank{ctx.tp_rank}" if ctx is not None else "rank0"
+            kw["tiers"] = build_deeper_tiers(cfg, fp, layout.page_nbytes, rank_dir)
         conn = cls(layout, cfg, fingerprint=fp, device_index=device_index, **kw)
         if ctx is not None and layout.device.type == "cuda":
             runner = getattr(ctx.tp_worker, "model_runner", None)
@@ -481,11 +486,13 @@ def _safe_stats(tier) -> dict:
         return {"error": "stats unavailable"}
 
 
-def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int) -> List[KVTier]:
+def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int,
+                       rank_dir: str = "rank0") -> List[KVTier]:
     """Storage and remote tiers named by the config, below the host tier.
 
-    The storage directory gets one subdirectory per model/layout/shard fingerprint, so TP ranks
-    (and different models) never share files and never contend for a directory lock. A tier that
+    The storage directory gets one subdirectory per model/layout/shard fingerprint and scheduler
+    rank, so different models and shards never share files and no two processes contend for a
+    directory lock (a restarted rank finds its own files again). A tier that
     cannot start (directory locked by another process, NIXL missing, no peer reachable) is logged
     and left out: the server still serves, with fewer tiers."""
     out: List[KVTier] = []
@@ -494,10 +501,12 @@ def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int)
     if cfg.storage_tier.enabled:
         from dataclasses import replace
         from ..tiers import storage_from_config
-        sc = replace(cfg.storage_tier, path=os.path.join(cfg.storage_tier.path, fp_hash))
+        sc = replace(cfg.storage_tier, path=os.path.join(cfg.storage_tier.path, fp_hash, rank_dir))
         try:
-            # the configured root is created owner-only too (makedirs' mode covers only the leaf)
+            # the configured root and the fingerprint level are owner-only too (makedirs' mode
+            # covers only the leaf)
             os.makedirs(cfg.storage_tier.path, mode=0o700, exist_ok=True)
+            os.makedirs(os.path.dirname(sc.path), mode=0o700, exist_ok=True)
             tier = storage_from_config(sc, fingerprint=fp_text, page_nbytes=page_nbytes)
             tier.write_through = cfg.storage_tier.write_through
             out.append(tier)

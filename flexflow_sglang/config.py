@@ -30,6 +30,7 @@ _SELECTOR_RULES = {
     "relay_benefit_margin": ("margin", None), "split_benefit_margin": ("margin", None),
     "enable_split_path": ("bool", None), "ttft_sensitive": ("bool", None),
     "max_split_paths": ("int_range", (1, 8)),
+    "relay_chunk_bytes": ("int_range", (4096, 1 << 34)),
 }
 
 

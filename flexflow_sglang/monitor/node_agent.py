@@ -53,6 +53,7 @@ class NodeAgent:
         self._fb_t = np.zeros(n)
         self._own_bytes = np.zeros(n)  # cumulative bytes our transfers moved per link
         self._own_prev = np.zeros(n)
+        self._own_residual = np.zeros(n)
         self._lock = threading.Lock()  # serialises writers only; readers never take it
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -110,16 +111,25 @@ class NodeAgent:
         dt = None if self._last_sample_t is None else max(now - self._last_sample_t, 1e-6)
         self._last_sample_t = now
         sampled = np.full(len(self.util), -1.0)
-        own_delta = self._own_bytes - self._own_prev
-        self._own_prev = self._own_bytes.copy()
+        with self._lock:
+            own_delta = self._own_bytes - self._own_prev
+            self._own_prev = self._own_bytes.copy()
+        # our bytes not yet matched against a counter: this interval's plus the previous interval's
+        # residual (a chunk reported just after the counters were read). Older residue is dropped so
+        # a transfer reported late cannot hide later foreign traffic.
+        pending = own_delta + self._own_residual
+        residual = np.zeros_like(pending)
         for src in self.sources:
             for link_id, rate_bps in src.read_rates(dt):
                 if rate_bps is None:
                     continue
-                # subtract what our own transfers moved over the link during the interval
-                if dt is not None:
-                    rate_bps = max(0.0, rate_bps - own_delta[link_id] / dt)
+                if dt is not None:  # subtract what our own transfers moved over the link
+                    seen = rate_bps * dt
+                    mine = min(seen, pending[link_id])
+                    residual[link_id] = min(pending[link_id] - mine, own_delta[link_id])
+                    rate_bps = (seen - mine) / dt
                 sampled[link_id] = max(sampled[link_id], rate_bps / self._cap_bps[link_id])
+        self._own_residual = residual
         with self._lock:
             mask = sampled >= 0
             self._sampled[mask] = np.minimum(sampled[mask], 1.0)
@@ -152,15 +162,24 @@ class NodeAgent:
             self._fb_q[:] = 0.0
             self._refresh_locked(time.monotonic())
 
+    def report_progress(self, links: Iterable[int], nbytes: int) -> None:
+        """Bytes our transfer just put on `links` (call per chunk for transfers longer than the
+        sampling interval, so sampled counters never count our own traffic as foreign load)."""
+        with self._lock:
+            for l in links:
+                self._own_bytes[l] += nbytes
+
     def report_transfer(self, links: Iterable[int], nbytes: int, seconds: float,
-                        queue_delay_us: float = 0.0, relays: int = 0) -> Optional[float]:
+                        queue_delay_us: float = 0.0, relays: int = 0,
+                        progress_reported: bool = False) -> Optional[float]:
         """Feedback from a completed transfer over `links` (link ids of one path; `relays`
         store-and-forward hops on it). Returns the observed bandwidth in GB/s.
 
         Only the time beyond the path's fixed latency and relay pipeline fill counts as evidence
         of bandwidth (else a small transfer's latency would read as congestion), and the implied
         utilisation goes to the path's bottleneck link only: a 50 GB/s NVLink behind a 25 GB/s
-        PCIe hop is not congested just because the transfer ran at 25 GB/s."""
+        PCIe hop is not congested just because the transfer ran at 25 GB/s. Pass
+        `progress_reported=True` when the bytes were already reported with report_progress()."""
         links = list(links)
         if not links or nbytes <= 0 or seconds <= 0:
             return None
@@ -168,8 +187,9 @@ class NodeAgent:
         now = time.monotonic()
         gbps = nbytes / seconds / 1e9
         with self._lock:
-            for l in links:
-                self._own_bytes[l] += nbytes
+            if not progress_reported:
+                for l in links:
+                    self._own_bytes[l] += nbytes
             if queue_delay_us > 0:
                 per = queue_delay_us / len(links)
                 for l in links:

@@ -26,8 +26,9 @@ else:
     _compiled_error = None
 from . import _core_py
 
-#: relay pipeline model: a store-and-forward relay adds one chunk's transfer time plus a fixed
-#: per-relay overhead (buffer hand-off, notification) to the path latency.
+#: relay pipeline model: a store-and-forward relay adds one chunk's transfer time
+#: (SelectorConfig.relay_chunk_bytes, default below) plus a fixed per-relay overhead (buffer
+#: hand-off, notification) to the path latency.
 RELAY_CHUNK_BYTES = 4 << 20
 RELAY_OVERHEAD_US = 5.0
 
@@ -58,7 +59,7 @@ def _resolve_impl(impl: Optional[str]):
 def pack_params(cfg: SelectorConfig, ttft_default: bool = False) -> np.ndarray:
     return np.array([cfg.w_bandwidth, cfg.w_queue_delay, cfg.w_hops, cfg.w_qos_risk, cfg.w_latency,
                      cfg.relay_benefit_margin, cfg.split_benefit_margin, 1.0 if cfg.enable_split_path else 0.0,
-                     float(cfg.max_split_paths), float(RELAY_CHUNK_BYTES), RELAY_OVERHEAD_US], dtype=np.float64)
+                     float(cfg.max_split_paths), float(cfg.relay_chunk_bytes), RELAY_OVERHEAD_US], dtype=np.float64)
 
 
 class _PairTable:

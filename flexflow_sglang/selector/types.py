@@ -26,6 +26,8 @@ class SelectorConfig:
     max_split_paths: int = 2
     split_benefit_margin: float = 0.15
     ttft_sensitive: bool = False
+    #: chunk size of store-and-forward relays (the pipeline fill a relay adds); match the executor's
+    relay_chunk_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         from ..config import validate_selector_values  # one validator for YAML and Python callers
@@ -43,6 +45,8 @@ class TransferRequest:
     dst: str
     data_bytes: int
     ttft_sensitive: bool = False
+    #: chunk size of store-and-forward relays (the pipeline fill a relay adds); match the executor's
+    relay_chunk_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_bytes, int) or isinstance(self.data_bytes, bool) or self.data_bytes <= 0:

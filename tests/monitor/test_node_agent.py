@@ -100,3 +100,41 @@ def test_nvml_absent_is_not_fatal(monkeypatch, caplog):
     assert all(s.name != "nvml" for s in agent.sources)
     agent.start()
     agent.stop()
+
+
+def test_progress_reports_and_late_reports_do_not_hide_foreign_load(tmp_path):
+    topo = Topology("t")
+    topo.add_node("a", NodeKind.CPU, "a")
+    topo.add_node("b", NodeKind.CPU, "b")
+    topo.add_link("a", "b", LinkType.ETHERNET, 0.125, 50.0, counter={"sysfs_net": "veth0"})
+    stats = tmp_path / "class/net/veth0/statistics"
+    _w(str(stats / "rx_bytes"), "0")
+    tx = [0]
+
+    def put(n):
+        tx[0] += n
+        _w(str(stats / "tx_bytes"), str(tx[0]))
+
+    put(0)
+    agent = NodeAgent(topo, source="sysfs", sysfs_root=str(tmp_path))
+    agent.sample_once()
+    chunk = int(0.125e9 * 0.05)
+    # our own transfer, reported chunk by chunk while it runs: the link looks free
+    for _ in range(2):
+        put(chunk)
+        agent.report_progress([0], chunk)
+    time.sleep(0.1)
+    agent.sample_once()
+    assert agent.util[0] < 0.1
+    agent.report_transfer([0], 2 * chunk, 0.1, progress_reported=True)  # no double counting
+    # a big transfer reported only at its end, when the counters no longer show it ...
+    agent.report_transfer([0], 10 * chunk, 100.0)
+    agent._fb_util[:] = 0.0
+    time.sleep(0.05)
+    agent.sample_once()
+    # ... must not hide foreign traffic that shows up in the intervals after
+    for _ in range(2):
+        put(2 * chunk)
+        time.sleep(0.1)
+        agent.sample_once()
+    assert agent.util[0] > 0.5

@@ -335,17 +335,10 @@ class Sender:
 
     def matched_selector(self):
         """Ablation: the same selector, but its relay pipeline model uses this executor's chunk size
-        instead of the module constant RELAY_CHUNK_BYTES (4 MiB). Shares the NodeAgent."""
+        instead of the default SelectorConfig.relay_chunk_bytes (4 MiB). Shares the NodeAgent."""
         if self._matched is None:
             from ...selector import PathSelector, SelectorConfig
-            from ...selector import selector as selmod
-            sel = PathSelector(self.topo, self.agent, SelectorConfig())
-            saved = selmod.RELAY_CHUNK_BYTES
-            try:
-                selmod.RELAY_CHUNK_BYTES = self.chunk
-                sel.update_config(sel.config)  # re-packs the parameter array in place
-            finally:
-                selmod.RELAY_CHUNK_BYTES = saved
+            sel = PathSelector(self.topo, self.agent, SelectorConfig(relay_chunk_bytes=int(self.chunk)))
             self._matched = sel
         return self._matched
 

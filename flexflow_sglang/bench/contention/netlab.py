@@ -56,7 +56,35 @@ def available() -> Tuple[bool, str]:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return False, f"`{tool}` not found (apt-get install iproute2)"
-    return True, ""
+    return _probe()
+
+
+_PROBE: Optional[Tuple[bool, str]] = None
+
+
+def _probe() -> Tuple[bool, str]:
+    """Root is not enough in every sandbox: build and delete a throwaway namespace with a capped
+    veth once per process, and report what failed (no CAP_NET_ADMIN, no veth or tbf support)."""
+    global _PROBE
+    if _PROBE is not None:
+        return _PROBE
+    ns = f"ffc-probe-{os.getpid()}"
+    steps = [["ip", "netns", "add", ns],
+             ["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+             ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "pa", "root", "tbf", "rate", "1gbit",
+              "burst", "256kb", "latency", "50ms"]]
+    _PROBE = (True, "")
+    try:
+        for cmd in steps:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            if p.returncode != 0:
+                _PROBE = (False, f"`{' '.join(cmd[:4])} ...` failed: {(p.stderr or p.stdout).strip()[:200]}")
+                break
+    except (OSError, subprocess.SubprocessError) as e:
+        _PROBE = (False, f"namespace probe failed: {e}")
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+    return _PROBE
 
 
 def _pid_alive(pid: int) -> bool:

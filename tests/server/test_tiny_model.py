@@ -70,7 +70,7 @@ def test_invalid_dimensions_rejected(tmp_path):
 
 
 def test_cli_presets_and_skip(tmp_path):
-    assert tm.PRESETS["bench"] == dict(layers=4, hidden=256, intermediate=512, heads=8, kv_heads=4)
+    assert tm.PRESETS["bench"] == dict(layers=4, hidden=512, intermediate=4096, heads=8, kv_heads=4)
     d = tmp_path / "cli"
     cmd = [sys.executable, "-m", "flexflow_sglang.cpu_support.tiny_model", str(d),
            "--layers", "1", "--hidden", "32", "--intermediate", "64", "--heads", "2", "--kv-heads", "1"]

@@ -22,6 +22,12 @@ out is *parked* with its staging buffer (not released, not freed); later calls p
 transfers and recycle the buffer once they end (DONE when the peer resumed, ERR when it died).
 Only if parked buffers exceed max_parked_mb is the agent destroyed (and a warning logged).
 
+Routing (optional, flexflow_sglang/tiers/routing.py): with `selector`, `local_node` and
+`peer_nodes`, every batch asks the PathSelector for owner <-> local_node and executes Direct,
+CrossNodeRelay (through another tier server: RELAY_GET / RELAY_PUT) or SplitPath legs, reporting
+each completed leg to the selector's NodeAgent. `relay_peers` are tier servers used only as relays
+(they own no keys). Without a selector nothing changes.
+
 Integrity: the writer sends a CRC32 per page; the server returns it with every pinned page, and
 get_many_into() checks each page before it counts: k = leading pages loaded AND verified. A page
 that fails the check is dropped on the server (RELEASE carries it) and counted.
@@ -55,6 +61,8 @@ class _Peer:
         self.node: Optional[str] = None
         self.down_until = 0.0
         self.down_reason = ""
+        self.relay_cap: Optional[int] = None   # HELLO_OK "relay" (None: not said, e.g. an older server)
+        self.relay_unsup_until = 0.0           # answered ERROR to a RELAY_* request: direct until then
         self.c = dict(timeouts=0, failures=0, down_events=0, bytes_read=0, bytes_written=0,
                       pages_read=0, pages_written=0)
         self.bw_gbps = 0.0  # EWMA of the observed data-phase bandwidth
@@ -83,14 +91,25 @@ class RemoteTier:
     name = "remote"
 
     def __init__(self, peers: Sequence[str], timeout_ms: float = 2000.0, retry_after_s: float = 10.0,
-                 node: Optional[str] = None, client_name: str = "ffremote", max_parked_mb: float = 1024.0):
+                 node: Optional[str] = None, client_name: str = "ffremote", max_parked_mb: float = 1024.0,
+                 selector=None, local_node: Optional[str] = None, peer_nodes: Optional[Dict[str, str]] = None,
+                 relay_peers: Sequence[str] = (), relay_chunk_bytes: Optional[int] = None):
+        """`node`: the topology node where the bytes live (what the connector routes tier I/O to).
+        Routing: `selector` (a PathSelector; its `agent` gets the per-leg feedback), `local_node`
+        (this process's topology node), `peer_nodes` ({"host:port": node}; default: the node a
+        server names in HELLO_OK), `relay_peers` (servers used only as relays, never owners)."""
         if isinstance(peers, str):
             peers = [x.strip() for x in peers.split(",") if x.strip()]
+        if isinstance(relay_peers, str):
+            relay_peers = [x.strip() for x in relay_peers.split(",") if x.strip()]
         self._peers = []
         for p in peers:
             if p not in [q.addr for q in self._peers]:
                 self._peers.append(_Peer(p))
-        self._addrs = [p.addr for p in self._peers]
+        self._addrs = [p.addr for p in self._peers]  # placement is over these only
+        for p in relay_peers:
+            if p not in [q.addr for q in self._peers]:
+                self._peers.append(_Peer(p))
         self.timeout_s = float(timeout_ms) / 1000.0
         self.retry_after_s = float(retry_after_s)
         self.node = node or (self._peers[0].host if self._peers else "remote")
@@ -108,6 +127,19 @@ class RemoteTier:
                       peer_down=0, failures=0, corrupt_dropped=0, parked_transfers=0, agent_recycles=0,
                       read_s=0.0, write_s=0.0)
         self._last_bw = 0.0
+        self._router = None
+        if selector is not None:
+            if not local_node or local_node not in selector.topology.nodes:
+                raise ValueError(f"RemoteTier: a selector needs local_node, a node of its topology (got {local_node!r})")
+            from .routing import Router
+            self._router = Router(self, selector, local_node, peer_nodes, relay_chunk_bytes)
+            self.c.update(route_direct=0, route_relay=0, route_split=0, route_other=0, relay_fallbacks=0,
+                          relay_unsupported=0, relay_failures=0, relay_pages_read=0, relay_pages_written=0)
+
+    @property
+    def last_routes(self) -> List[dict]:
+        """Legs of the last routed get/put: owner, via, type, planned, decision, pages, bytes, seconds."""
+        return list(self._router.last) if self._router is not None else []
 
     # ------------------------------------------------------------------ peers, agent, staging
     def node_for(self, key: bytes) -> Optional[str]:
@@ -260,6 +292,7 @@ class RemoteTier:
                 p.agent_name = str(f.body["agent"])
                 p.page_nbytes = int(f.body["page_nbytes"]) or None
                 p.node = str(f.body.get("node", p.host))
+                p.relay_cap = f.body.get("relay") if isinstance(f.body.get("relay"), int) else None
                 p.md = bytes(f.blob)
             except (KeyError, TypeError, ValueError):
                 self._mark_down(pid, "bad HELLO_OK")
@@ -451,6 +484,8 @@ class RemoteTier:
             self._page_hint = P
             self._reap_parked()
             owners, groups = self._groups(keys, stop_at_unowned=True)
+            if self._router is not None and groups:
+                return self._router.get(keys, out, owners, groups, P)
             deadline = time.monotonic() + self.timeout_s
             usable = self._connect(list(groups), P, deadline) if groups else []
             reqs = {}
@@ -540,6 +575,8 @@ class RemoteTier:
             owners, groups = self._groups(keys, stop_at_unowned=False)
             if not groups:
                 return 0
+            if self._router is not None:
+                return self._router.put(keys, pages, owners, groups, P)
             deadline = time.monotonic() + self.timeout_s
             usable = self._connect(list(groups), P, deadline)
             if not usable:
@@ -625,7 +662,7 @@ class RemoteTier:
     def server_stats(self, addr: str) -> Optional[dict]:
         """STATS of one peer (for tests and `flexflow` tooling); None when it does not answer."""
         with self._lock:
-            pid = self._addrs.index(addr)
+            pid = [p.addr for p in self._peers].index(addr)
             p = self._peers[pid]
             deadline = time.monotonic() + self.timeout_s
             if p.sock is None:
@@ -647,7 +684,8 @@ class RemoteTier:
                 bandwidth_gbps=self._last_bw,
                 peers={p.addr: dict(p.c, up=p.up(now), connected=p.sock is not None,
                                     retry_in_s=max(0.0, p.down_until - now), down_reason=p.down_reason,
-                                    node=p.node, bw_gbps=p.bw_gbps) for p in self._peers},
+                                    node=p.node, bw_gbps=p.bw_gbps, relay=p.relay_cap,
+                                    owner=p.addr in self._addrs) for p in self._peers},
                 peers_up=sum(1 for p in self._peers if p.up(now)), parked_now=len(self._parked),
                 closed=self._closed)
             return c

@@ -13,6 +13,13 @@ Slots: the buffer is cut into slots of one page size, fixed by --page-nbytes or 
 HELLO; a client with another page size gets an ERROR. LRU eviction over unpinned slots. Leases
 (pins of a LOOKUP, reservations of a PUT) end with RELEASE/COMMIT, when the connection closes, or
 after --lease-ttl-s. Binds 127.0.0.1 unless --listen says otherwise.
+
+CrossNodeRelay (RELAY_GET / RELAY_PUT): a client that routes around a congested link asks this
+server to pull pages from their owner (or forward them to it). The server is then itself a
+RemoteTier client of the owner (one per owner address, created on first use, NIXL agent of its own)
+and stages the pages in temporary slots of its buffer: never indexed, freed when the lease ends.
+`--relay-peers NODE=host:port,...` gives the owners' addresses as seen from this server (and, when
+set, is the list of owners it will relay for); `--no-relay` answers relay requests with ERROR.
 """
 from __future__ import annotations
 
@@ -32,9 +39,9 @@ from typing import Dict, List, Optional, Set
 
 import numpy as np
 
-from .base import make_agent, page_checksum, unique_agent_name
-from .wire import (MAX_BLOB, Frame, MsgType, WireError, int_list, parse_hostport, read_frame,
-                   unpack_keys, write_frame)
+from .base import make_agent, page_checksum, page_checksums, unique_agent_name
+from .wire import (MAX_BLOB, RELAY_TYPES, Frame, MsgType, WireError, int_list, parse_hostport,
+                   read_frame, unpack_keys, write_frame)
 
 log = logging.getLogger("flexflow_sglang.tiers.server")
 _GIB = 1 << 30
@@ -49,6 +56,12 @@ class _Lease:
     conn: int
     keys: List[bytes] = field(default_factory=list)
     sums: List[int] = field(default_factory=list)
+    owner: str = ""         # relay_put: where COMMIT forwards the pages
+    timeout_s: float = 0.0  # relay_put: the forward's timeout
+
+
+class _RelayRefused(Exception):
+    """A relay request this server will not or cannot serve (answered in the OK frame's "error")."""
 
 
 class TierServer:
@@ -56,7 +69,8 @@ class TierServer:
                  page_nbytes: Optional[int] = None, storage_path: Optional[str] = None,
                  storage_capacity_gb: float = 10.0, lease_ttl_s: float = 30.0,
                  verify_puts: bool = False, node: Optional[str] = None, max_conns: int = 64,
-                 max_blob: int = MAX_BLOB):
+                 max_blob: int = MAX_BLOB, relay: bool = True, relay_peers: Optional[Dict[str, str]] = None,
+                 relay_retry_after_s: float = 10.0):
         host, port = parse_hostport(listen)
         self.capacity = int(capacity_bytes)
         if self.capacity <= 0:
@@ -69,6 +83,13 @@ class TierServer:
         self.storage_path = storage_path
         self.storage_capacity_gb = storage_capacity_gb
         self.storage = None
+        self.relay = bool(relay)
+        self.relay_peers = dict(relay_peers or {})  # owner node -> host:port as seen from here
+        for a in self.relay_peers.values():
+            parse_hostport(a)
+        self.relay_retry_after_s = float(relay_retry_after_s)
+        self._relay_tiers: Dict[str, object] = {}  # owner address -> RemoteTier (our client of it)
+        self._relay_lock = threading.Lock()
 
         self._mm = mmap.mmap(-1, self.capacity)
         self.buf = np.frombuffer(self._mm, dtype=np.uint8)
@@ -86,7 +107,8 @@ class TierServer:
         self._threads: List[threading.Thread] = []
         self.c = dict(connections=0, lookups=0, lookup_pages=0, puts=0, pages_stored=0, pages_have=0,
                       pages_skipped=0, evictions=0, leases_expired=0, promoted=0, verify_failures=0,
-                      discarded=0, errors=0, storage_writes=0)
+                      discarded=0, errors=0, storage_writes=0, relay_gets=0, relay_pages_out=0,
+                      relay_puts=0, relay_pages_fwd=0, relay_failures=0)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -160,6 +182,9 @@ class TierServer:
         if lease.kind == "get":
             for s in lease.slots:
                 self._unpin(s)
+        elif lease.kind == "relay_put":  # temporary slots, never indexed
+            for s in lease.slots:
+                self._free(s)
         else:
             for j, s in enumerate(lease.slots):
                 self.reserved.pop(lease.keys[j], None)
@@ -187,7 +212,8 @@ class TierServer:
             elif P and P != self.page_nbytes:
                 raise WireError(f"page_nbytes mismatch: this server uses {self.page_nbytes}, client {P}")
             return (MsgType.HELLO_OK, {"agent": self.agent.name, "page_nbytes": self.page_nbytes or 0,
-                                       "slots": getattr(self, "nslots", 0), "node": self.node}, self.md)
+                                       "slots": getattr(self, "nslots", 0), "node": self.node,
+                                       "relay": int(self.relay)}, self.md)
 
     def _promote(self, keys: List[bytes], protect) -> List[int]:
         """Load leading `keys` from the storage tier into slots (lock held)."""
@@ -348,10 +374,208 @@ class TierServer:
                 self.storage.discard(keys)
         return (MsgType.DISCARD_OK, {"dropped": n}, b"")
 
+    # ------------------------------------------------------------------ CrossNodeRelay
+    def _relay_target(self, body: dict) -> str:
+        node, addr = body.get("owner_node"), body.get("owner")
+        if self.relay_peers:
+            if isinstance(node, str) and node in self.relay_peers:
+                return self.relay_peers[node]
+            if addr in self.relay_peers.values():
+                return addr
+            raise _RelayRefused(f"owner {node or addr!r} is not in this server's --relay-peers")
+        if not isinstance(addr, str):
+            raise WireError("relay request without 'owner'")
+        try:
+            parse_hostport(addr)
+        except ValueError as e:
+            raise WireError(str(e)) from None
+        return addr
+
+    @staticmethod
+    def _relay_timeout(body: dict) -> float:
+        """Half the client's timeout per phase (control, data), so the relay answers before the
+        client's own deadline for this request passes."""
+        t = body.get("timeout_ms", 2000)
+        t = 2000.0 if not isinstance(t, (int, float)) or isinstance(t, bool) else float(t)
+        return min(60.0, max(0.05, t / 2000.0))
+
+    def _relay_tier(self, addr: str):
+        with self._relay_lock:
+            t = self._relay_tiers.get(addr)
+            if t is None:
+                from .remote import RemoteTier
+                t = RemoteTier([addr], retry_after_s=self.relay_retry_after_s, node=self.node,
+                               client_name="ffrelay")
+                self._relay_tiers[addr] = t
+            return t
+
+    @staticmethod
+    def _relay_cold(t) -> bool:
+        """The relay's client of the owner has to connect / load metadata first (lock held): the
+        client then does not take this request's time as a bandwidth measurement."""
+        p = t._peers[0]
+        return t._agent is None or p.sock is None or p.loaded_gen != t._gen
+
+    def _relay_warmup(self) -> None:
+        """Create the relay clients of --relay-peers (NIXL agent ~0.5 s each) before they are needed."""
+        for addr in self.relay_peers.values():
+            if self._stop.is_set():
+                return
+            try:
+                t = self._relay_tier(addr)
+                with t._lock:
+                    t._ensure_agent()
+            except Exception as e:
+                log.warning("tier server: relay client for %s: %r", addr, e)
+
+    def _alloc_temp(self, n: int) -> List[int]:
+        """Up to n unindexed slots (lock held); they belong to the caller until freed or leased."""
+        slots: List[int] = []
+        for _ in range(n):
+            s = self._alloc(())
+            if s is None:
+                break
+            slots.append(s)
+        return slots
+
+    def _relay_get(self, f: Frame, conn: int):
+        keys = unpack_keys(f.body, f.blob)
+        with self.lock:
+            self._need_slots()
+            P = self.page_nbytes
+            self.c["relay_gets"] += 1
+        empty = {"count": 0, "lease": 0, "addrs": [], "sums": [], "pull_s": 0.0}
+        try:
+            addr = self._relay_target(f.body)
+        except _RelayRefused as e:
+            self.c["relay_failures"] += 1
+            return (MsgType.RELAY_GET_OK, dict(empty, error=str(e)), b"")
+        timeout_s = self._relay_timeout(f.body)
+        with self.lock:
+            slots = self._alloc_temp(len(keys))
+        got, err, pull_s, leased, cold = 0, None, 0.0, False, False
+        try:
+            m = len(slots)
+            if m:
+                t = self._relay_tier(addr)
+                contiguous = slots == list(range(slots[0], slots[0] + m))
+                out = self.pages[slots[0]:slots[0] + m] if contiguous else np.empty((m, P), dtype=np.uint8)
+                t0 = time.perf_counter()
+                with t._lock:
+                    t.timeout_s = timeout_s
+                    cold = self._relay_cold(t)
+                    got = t.get_many_into(keys[:m], out)
+                    peer = t._peers[0]
+                    if got < m and not peer.up(time.monotonic()):
+                        err = f"owner {addr}: {peer.down_reason}"
+                pull_s = time.perf_counter() - t0
+                if got and not contiguous:
+                    for j in range(got):
+                        self.pages[slots[j]] = out[j]
+            elif keys:
+                err = "relay buffer full"
+            sums = page_checksums(self.pages, got, slots[:got]) if got else []
+            with self.lock:
+                for s in slots[got:]:
+                    self._free(s)
+                lease_id = 0
+                if got:
+                    for s in slots[:got]:  # pinned once; the lease's end unpins and frees them
+                        self.pins[s] = 1
+                        self.doomed.add(s)
+                    lease_id = self._new_lease("get", slots[:got], conn).id
+                leased = True
+                self.c["relay_pages_out"] += got
+                if err:
+                    self.c["relay_failures"] += 1
+            base = self.buf.ctypes.data
+            body = {"count": got, "lease": lease_id, "addrs": [base + s * P for s in slots[:got]],
+                    "sums": sums, "pull_s": pull_s}
+            if cold:
+                body["cold"] = 1
+            if err:
+                body["error"] = err
+            return (MsgType.RELAY_GET_OK, body, b"")
+        finally:
+            if not leased:
+                with self.lock:
+                    for s in slots:
+                        self._free(s)
+
+    def _relay_put(self, f: Frame, conn: int):
+        keys = unpack_keys(f.body, f.blob)
+        sums = int_list(f.body, "sums", len(keys))
+        with self.lock:
+            self._need_slots()
+            self.c["relay_puts"] += 1
+        try:
+            addr = self._relay_target(f.body)
+        except _RelayRefused as e:
+            self.c["relay_failures"] += 1
+            return (MsgType.RELAY_PUT_OK, {"lease": 0, "status": [-1] * len(keys), "addrs": [],
+                                           "error": str(e)}, b"")
+        with self.lock:
+            slots = self._alloc_temp(len(keys))
+            lease_id = 0
+            if slots:
+                lease = self._new_lease("relay_put", slots, conn)
+                lease.keys = keys[:len(slots)]
+                lease.sums = [x & 0xFFFFFFFF for x in sums[:len(slots)]]
+                lease.owner, lease.timeout_s = addr, self._relay_timeout(f.body)
+                lease_id = lease.id
+            base, P = self.buf.ctypes.data, self.page_nbytes
+            return (MsgType.RELAY_PUT_OK, {"lease": lease_id, "status": [0] * len(slots) + [-1] * (len(keys) - len(slots)),
+                                           "addrs": [base + s * P for s in slots]}, b"")
+
+    def _relay_commit(self, f: Frame):
+        """COMMIT of a relay_put lease: check the writer's CRCs, forward to the owner. None: the
+        lease is not a relay lease (the plain COMMIT handles it)."""
+        lid = f.body.get("lease")
+        with self.lock:
+            lease = self.leases.get(lid) if isinstance(lid, int) else None
+            if lease is None or lease.kind != "relay_put":
+                return None
+            ok = int_list(f.body, "ok", len(lease.slots))
+            self.leases.pop(lease.id, None)  # ours now: expiry must not free the slots under us
+        n = len(lease.slots)
+        stored, err, fwd_s, cold = [0] * n, None, 0.0, False
+        try:
+            rows = [j for j in range(n) if ok[j]]
+            got = page_checksums(self.pages, len(rows), [lease.slots[j] for j in rows]) if rows else []
+            good = [j for j, g in zip(rows, got) if g == lease.sums[j]]
+            self.c["verify_failures"] += len(rows) - len(good)
+            pages = np.stack([self.pages[lease.slots[j]] for j in good]) if good else None
+        finally:
+            with self.lock:
+                for s in lease.slots:
+                    self._free(s)
+        if good:
+            t = self._relay_tier(lease.owner)
+            t0 = time.perf_counter()
+            with t._lock:
+                t.timeout_s = lease.timeout_s
+                cold = self._relay_cold(t)
+                k = t.put_many([lease.keys[j] for j in good], pages)
+                peer = t._peers[0]
+                if k < len(good) and not peer.up(time.monotonic()):
+                    err = f"owner {lease.owner}: {peer.down_reason}"
+            fwd_s = time.perf_counter() - t0
+            for j in good[:k]:
+                stored[j] = 1
+            self.c["relay_pages_fwd"] += k
+            if err:
+                self.c["relay_failures"] += 1
+        body = {"stored": stored, "fwd_s": fwd_s}
+        if cold:
+            body["cold"] = 1
+        if err:
+            body["error"] = err
+        return (MsgType.COMMIT_OK, body, b"")
+
     def stats(self) -> dict:
         with self.lock:
             d = dict(self.c)
-            d.update(address=self.address, node=self.node, page_nbytes=self.page_nbytes,
+            d.update(address=self.address, node=self.node, page_nbytes=self.page_nbytes, relay=self.relay,
                      slots=getattr(self, "nslots", 0), used_slots=len(self.index),
                      free_slots=len(self.free) if self.page_nbytes else 0, leases=len(self.leases))
             if self.storage is not None:
@@ -371,7 +595,12 @@ class TierServer:
         if t == MsgType.PUT:
             return self._put(f, conn), None
         if t == MsgType.COMMIT:
-            return self._commit(f)
+            r = self._relay_commit(f)
+            return (r, None) if r is not None else self._commit(f)
+        if t in RELAY_TYPES:
+            if not self.relay:
+                raise WireError(f"relay disabled on this server ({t.name})")
+            return (self._relay_get(f, conn) if t == MsgType.RELAY_GET else self._relay_put(f, conn)), None
         if t == MsgType.DISCARD:
             return self._discard(f), None
         if t == MsgType.STATS:
@@ -448,6 +677,8 @@ class TierServer:
         """Runs until stop(): accepts in a thread; this thread progresses NIXL and expires leases."""
         acc = threading.Thread(target=self._accept_loop, daemon=True, name="fftier-accept")
         acc.start()
+        if self.relay and self.relay_peers:
+            threading.Thread(target=self._relay_warmup, daemon=True, name="fftier-relay-warmup").start()
         next_expiry = 0.0
         try:
             while not self._stop.is_set():
@@ -489,6 +720,25 @@ class TierServer:
             pass
         if self.storage is not None:
             self.storage.close()
+        with self._relay_lock:
+            tiers, self._relay_tiers = list(self._relay_tiers.values()), {}
+        for t in tiers:
+            try:
+                t.close()
+            except Exception:
+                pass
+
+
+def _parse_relay_peers(s: Optional[str]) -> Dict[str, str]:
+    out = {}
+    for item in (s or "").split(","):
+        if item.strip():
+            node, sep, addr = item.strip().partition("=")
+            if not sep or not node:
+                raise ValueError(f"--relay-peers expects NODE=host:port[,...], got {item!r}")
+            parse_hostport(addr)
+            out[node] = addr
+    return out
 
 
 def main(argv=None) -> int:
@@ -501,6 +751,10 @@ def main(argv=None) -> int:
     ap.add_argument("--lease-ttl-s", type=float, default=30.0)
     ap.add_argument("--verify-puts", action="store_true", help="CRC-check written pages at COMMIT")
     ap.add_argument("--node", default=None, help="topology node name reported to clients")
+    ap.add_argument("--no-relay", action="store_true", help="refuse RELAY_GET/RELAY_PUT (ERROR)")
+    ap.add_argument("--relay-peers", default=None,
+                    help="NODE=host:port,...: owners' addresses as seen from here (and the only owners relayed for)")
+    ap.add_argument("--relay-retry-after-s", type=float, default=10.0)
     ap.add_argument("--ready-file", default=None, help="write {'listen': host:port, 'pid'} here when ready")
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args(argv)
@@ -508,7 +762,9 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     srv = TierServer(a.listen, int(a.capacity_gb * _GIB), a.page_nbytes, a.storage_path,
-                     a.storage_capacity_gb, a.lease_ttl_s, a.verify_puts, a.node)
+                     a.storage_capacity_gb, a.lease_ttl_s, a.verify_puts, a.node,
+                     relay=not a.no_relay, relay_peers=_parse_relay_peers(a.relay_peers),
+                     relay_retry_after_s=a.relay_retry_after_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: srv.stop())
     if a.ready_file:

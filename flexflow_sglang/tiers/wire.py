@@ -52,7 +52,22 @@ class MsgType(IntEnum):
     STATS_OK = 13    # s->c {counters...}
     PING = 14        # c->s {}                                               -> PONG
     PONG = 15
+    # CrossNodeRelay (added within version 1: a server that predates them answers ERROR "unknown
+    # message type" and closes the connection; clients treat any ERROR here as "relay unsupported").
+    # The relay server pulls the pages from `owner` (its own RemoteTier client of that peer) into
+    # temporary slots pinned under a get lease; the client READs them and RELEASEs as after LOOKUP.
+    RELAY_GET = 16     # c->s {"klen", "n", "owner": host:port, "owner_node", "timeout_ms"} blob = keys
+    RELAY_GET_OK = 17  # s->c {"count", "lease", "addrs", "sums", "pull_s", ["error"], ["cold"]}
+    # "error": the pull failed (count covers what arrived); "cold": the relay connected to the owner
+    # first (its time is no bandwidth measurement). Puts: the client WRITEs into temporary slots;
+    # COMMIT on that lease makes the relay check the CRCs and forward the pages to `owner`; COMMIT_OK
+    # {"stored", "fwd_s", ["error"], ["cold"]} then means "stored at the owner".
+    RELAY_PUT = 18     # c->s {"klen", "n", "sums", "owner", "owner_node", "timeout_ms"} blob = keys
+    RELAY_PUT_OK = 19  # s->c {"lease", "status": [0 write | -1 skip], "addrs": [per 0]}
     ERROR = 127      # s->c {"error": str}
+
+
+RELAY_TYPES = frozenset((MsgType.RELAY_GET, MsgType.RELAY_PUT))
 
 
 _TYPES = {int(t) for t in MsgType}

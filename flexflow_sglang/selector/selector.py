@@ -43,9 +43,7 @@ def _resolve_impl(impl: Optional[str]):
     require = os.environ.get("FLEXFLOW_REQUIRE_COMPILED", "0") not in ("", "0", "false", "False")
     if want not in ("auto", "compiled", "python"):
         raise ValueError(f"selector implementation {want!r}: expected 'auto', 'compiled' or 'python'")
-    if want == "python":
-        if require:
-            raise CompiledCoreMissing("FLEXFLOW_REQUIRE_COMPILED=1 conflicts with the python selector implementation")
+    if want == "python":  # asked for explicitly (benchmarks, twin tests): allowed even when compiled is required
         return "python", _core_py.PairCore
     if _compiled is None:
         if require or want == "compiled":

@@ -6,7 +6,8 @@ Model (see docs/simulation.md):
 - flows: background (inference) flows with a constant demand that switch on/off with their
   group's schedule, and KV sub-flows (elastic, finite bytes);
 - bandwidth is shared max-min fairly among all active flows, recomputed at every event
-  (flow start / data drained / burst toggle);
+  (flow start / data drained / burst toggle); background flows marked non-responsive (UDP-like)
+  take their demand first and the remaining flows share what is left;
 - a KV sub-flow completes `sum(link latency)` after its last byte left, plus, per store-and-forward
   relay, one pipeline chunk at the flow's average rate and a fixed hand-off overhead;
 - QoS accounting while KV flows are active: an inference flow getting less than it would get
@@ -102,8 +103,11 @@ class BgFlow:
     name: str
     links: Tuple[int, ...]
     res: Tuple[int, ...]
-    demand_bps: float  # bytes/s
+    demand_bps: float  # bytes/s (inf: a greedy elastic flow, e.g. a bulk TCP stream)
     group: int  # index into the simulator's groups
+    #: False: a non-responsive flow (UDP at a fixed rate) that gets its demand first; the other
+    #: flows (responsive background and our KV flows) share what it leaves max-min fairly
+    responsive: bool = True
 
 
 # --------------------------------------------------------------------------- transfers
@@ -186,6 +190,7 @@ class Simulator:
                 raise ValueError(f"background flow {f.name}: unknown group {f.group}")
         self.bg_demand = np.array([f.demand_bps for f in self.bg], dtype=np.float64)
         self.bg_group = np.array([f.group for f in self.bg], dtype=np.int64)
+        self.bg_nonresp = np.array([not f.responsive for f in self.bg], dtype=bool)
         self._bg_lens = np.array([len(f.res) for f in self.bg], dtype=np.int64)
         self._bg_idx_flat = (np.concatenate([np.asarray(f.res, dtype=np.int64) for f in self.bg])
                              if self.bg else np.zeros(0, dtype=np.int64))
@@ -227,7 +232,7 @@ class Simulator:
         transfers' records (their flows keep running): the oracle's what-if sandbox."""
         s = Simulator.__new__(Simulator)
         s.net, s.params, s.bg, s.groups = self.net, self.params, self.bg, self.groups
-        s.bg_demand, s.bg_group = self.bg_demand, self.bg_group
+        s.bg_demand, s.bg_group, s.bg_nonresp = self.bg_demand, self.bg_group, self.bg_nonresp
         s._bg_lens, s._bg_idx_flat, s._bg_owner = self._bg_lens, self._bg_idx_flat, self._bg_owner
         s.policy, s.monitor = None, None
         s.t = self.t
@@ -266,11 +271,37 @@ class Simulator:
         heapq.heappush(self._heap, (t, next(self._seq), ev))
 
     # ------------------------------------------------------------------ allocation
+    def _share(self, active_bg: np.ndarray, idx_bg: np.ndarray, lens_bg: np.ndarray,
+               kv_idx: Sequence[np.ndarray] = ()) -> Tuple[np.ndarray, np.ndarray]:
+        """(active background rates, KV rates): non-responsive background first, then max-min."""
+        demand_bg = self.bg_demand[active_bg]
+        nr = self.bg_nonresp[active_bg]
+        n_kv = len(kv_idx)
+        kv_lens = np.fromiter((len(r) for r in kv_idx), dtype=np.int64, count=n_kv)
+        if not nr.any():
+            idx = np.concatenate([idx_bg] + list(kv_idx)) if n_kv else idx_bg
+            lens = np.concatenate([lens_bg, kv_lens]) if n_kv else lens_bg
+            demand = np.concatenate([demand_bg, np.full(n_kv, np.inf)]) if n_kv else demand_bg
+            rates = max_min_csr(idx, lens, demand, self.net.cap)
+            return rates[:len(lens_bg)], rates[len(lens_bg):]
+        ent_nr = np.repeat(nr, lens_bg)
+        r_nr = max_min_csr(idx_bg[ent_nr], lens_bg[nr], demand_bg[nr], self.net.cap)
+        used = np.bincount(idx_bg[ent_nr], weights=np.repeat(r_nr, lens_bg[nr]), minlength=len(self.net.cap))
+        cap2 = np.maximum(self.net.cap - used, 0.0)
+        idx = np.concatenate([idx_bg[~ent_nr]] + list(kv_idx))
+        lens = np.concatenate([lens_bg[~nr], kv_lens])
+        demand = np.concatenate([demand_bg[~nr], np.full(n_kv, np.inf)])
+        r2 = max_min_csr(idx, lens, demand, cap2) if len(lens) else np.zeros(0)
+        bg_rates = np.empty(len(lens_bg))
+        bg_rates[nr] = r_nr
+        bg_rates[~nr] = r2[:int((~nr).sum())]
+        return bg_rates, r2[int((~nr).sum()):]
+
     def _baseline(self, active_bg: np.ndarray, idx_bg: np.ndarray, lens_bg: np.ndarray) -> np.ndarray:
         key = active_bg.tobytes()
         base = self._base_cache.get(key)
         if base is None:
-            base = max_min_csr(idx_bg, lens_bg, self.bg_demand[active_bg], self.net.cap)
+            base = self._share(active_bg, idx_bg, lens_bg)[0]
             self._base_cache[key] = base
         return base
 
@@ -286,11 +317,7 @@ class Simulator:
         kv = list(self.kv.values())
         self._kv_list = kv
         if kv:
-            idx = np.concatenate([idx_bg] + [f.res for f in kv])
-            lens = np.concatenate([lens_bg, np.fromiter((len(f.res) for f in kv), dtype=np.int64, count=len(kv))])
-            demand = np.concatenate([self.bg_demand[active_bg], np.full(len(kv), np.inf)])
-            rates = max_min_csr(idx, lens, demand, self.net.cap)
-            bg_rates, kv_rates = rates[:n_bg], rates[n_bg:]
+            bg_rates, kv_rates = self._share(active_bg, idx_bg, lens_bg, [f.res for f in kv])
         else:
             bg_rates, kv_rates = base, np.zeros(0)
         self._kv_rates = kv_rates
@@ -403,6 +430,9 @@ class Simulator:
     def _drain(self, f: _KVFlow, now: float) -> None:
         del self.kv[(f.tid, f.sub)]
         self._dirty = True
+        on_drain = getattr(self.monitor, "on_drain", None)
+        if on_drain is not None:
+            on_drain(f)
         dur = max(now - f.start, 1e-15)
         fill = 0.0
         if f.n_relays:
@@ -413,7 +443,7 @@ class Simulator:
     def _complete(self, ev: tuple, now: float) -> Optional[int]:
         _, tid, sub, links, nbytes, start, n_relays = ev
         if self.monitor is not None and nbytes > 0:
-            self.monitor.report(links, nbytes, now - start, relays=n_relays)
+            self.monitor.report(links, nbytes, now - start, relays=n_relays, key=(tid, sub))
         rec = self.transfers.get(tid)
         if rec is None:
             return None

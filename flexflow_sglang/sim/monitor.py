@@ -6,6 +6,12 @@
   reported (exactly the production code path). `mode="background"` instead hands the agent the
   background-only utilisation of the last interval (an idealised monitor) via the mock values.
 - feedback: every completed KV sub-flow is reported with `report_transfer(links, nbytes, seconds)`.
+  With `progress=True` the bytes each running sub-flow moved are also reported with
+  `report_progress()` at every sampling tick (what a chunked executor does per chunk), so a
+  transfer longer than the sampling interval is never counted as foreign load; the completion
+  report then passes `progress_reported=True`.
+- observed links: all, only those with a hardware counter attribute, or an explicit list of link
+  ids (e.g. the two sysfs interfaces a NodeAgent inside one network namespace can read).
 - staleness: decisions see the average of the last completed interval (plus `lag_intervals`
   whole intervals of extra reporting delay), never the simulator's instantaneous state.
 
@@ -74,20 +80,26 @@ class SimMonitor:
 
     def __init__(self, topo, sample_interval_ms: float = 100.0, mode: str = "counters", observe: str = "all",
                  feedback: bool = True, feedback_half_life_ms: float = 500.0, lag_intervals: int = 0,
-                 phase_ms: float = 0.0):
+                 phase_ms: float = 0.0, progress: bool = False):
         if mode not in ("counters", "background"):
             raise ValueError(f"SimMonitor: mode must be 'counters' or 'background', got {mode!r}")
-        if observe not in ("all", "counters"):
-            raise ValueError(f"SimMonitor: observe must be 'all' or 'counters', got {observe!r}")
+        if isinstance(observe, str) and observe not in ("all", "counters"):
+            raise ValueError(f"SimMonitor: observe must be 'all', 'counters' or link ids, got {observe!r}")
         self.topo = topo
         self.interval_s = sample_interval_ms / 1000.0
         self.mode, self.observe, self.feedback = mode, observe, feedback
+        self.progress = bool(progress)
         self.lag = int(lag_intervals)
         # links with a hardware counter in the topology (NVML / sysfs); the rest: feedback only
         if observe == "all":
             self.observed = [l.id for l in topo.links]
-        else:
+        elif observe == "counters":
             self.observed = [l.id for l in topo.links if l.counter]
+        else:
+            self.observed = sorted({int(l) for l in observe})
+            if any(not (0 <= l < len(topo.links)) for l in self.observed):
+                raise ValueError(f"SimMonitor: observed link ids {self.observed} out of range")
+        self._progress_bytes = {}  # (tid, sub) -> bytes already reported with report_progress
         self._source = SimCounterSource(self, self.observed)
         self.agent = NodeAgent(topo, sample_interval_ms=sample_interval_ms, source="mock",
                                feedback_half_life_ms=feedback_half_life_ms,
@@ -106,6 +118,14 @@ class SimMonitor:
         self._sim = sim
         self._hist.append((sim.t, sim.res_bytes.copy(), sim.res_bg_bytes.copy()))
         with sim_clock(sim):
+            if self.progress:
+                for f in sim.kv.values():
+                    moved = f.nbytes - max(f.remaining, 0.0)
+                    key = (f.tid, f.sub)
+                    delta = moved - self._progress_bytes.get(key, 0.0)
+                    if delta > 0.0:
+                        self.agent.report_progress(f.links, delta)
+                        self._progress_bytes[key] = moved
             if self.mode == "counters":
                 self.agent.sample_once()
             else:
@@ -116,6 +136,16 @@ class SimMonitor:
                         self.agent.set_link_utilization(l, u)
         self.samples += 1
         self.next_tick = sim.t + self.interval_s
+
+    def on_drain(self, flow) -> None:
+        """A KV sub-flow's last byte left: with `progress`, its bytes not yet reported are reported
+        now (its completion follows after the path latency and any relay pipeline fill)."""
+        if self.progress:
+            key = (flow.tid, flow.sub)
+            delta = flow.nbytes - self._progress_bytes.get(key, 0.0)
+            if delta > 0.0:
+                self.agent.report_progress(flow.links, delta)
+                self._progress_bytes[key] = float(flow.nbytes)
 
     def window_rates(self, background_only: bool) -> Optional[np.ndarray]:
         """Per-link bytes/s (busier direction) over the interval ending `lag` ticks ago."""
@@ -129,11 +159,18 @@ class SimMonitor:
         per_dir = d.reshape(-1, 2) / (t1 - t0)
         return per_dir.max(axis=1)
 
-    def report(self, links, nbytes: int, seconds: float, relays: int = 0) -> None:
-        if not self.feedback or self._sim is None:
+    def report(self, links, nbytes: int, seconds: float, relays: int = 0, key=None) -> None:
+        if self._sim is None:
             return
         with sim_clock(self._sim):
-            self.agent.report_transfer(links, int(nbytes), float(seconds), relays=int(relays))
+            if self.progress:  # own-byte accounting: the part not yet reported at a tick
+                done = self._progress_bytes.pop(key, 0.0)
+                if nbytes - done > 0.0:
+                    self.agent.report_progress(links, nbytes - done)
+            if not self.feedback:
+                return
+            self.agent.report_transfer(links, int(nbytes), float(seconds), relays=int(relays),
+                                       progress_reported=self.progress)
         self.reports += 1
 
     def before_decide(self, sim) -> None:

@@ -34,8 +34,19 @@ def verify(*args, timeout=900):
     return p.returncode, p.stdout, p.stderr, last
 
 
-def flexflow_metrics(url) -> dict:
-    """flexflow_* series from /metrics, summed over label sets (ranks)."""
+def flexflow_metrics(url, until=None, timeout: float = 10.0) -> dict:
+    """flexflow_* series from /metrics, summed over label sets (ranks). The backend exports at most
+    once a second, so with `until` (a predicate on the dict) poll until it holds or `timeout`."""
+    import time
+    deadline = time.time() + timeout
+    while True:
+        m = _read_metrics(url)
+        if until is None or until(m) or time.time() > deadline:
+            return m
+        time.sleep(0.5)
+
+
+def _read_metrics(url) -> dict:
     import requests
     out = {}
     for line in requests.get(url + "/metrics", timeout=10).text.splitlines():

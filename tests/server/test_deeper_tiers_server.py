@@ -117,6 +117,7 @@ def test_dead_peer_is_a_miss_not_a_hang(plain_baseline, tiny_model, start_server
                                       "--baseline", plain_baseline)
     assert rc == 0 and last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
     assert time.time() - t0 < 300
-    m = flexflow_metrics(srv.url)
+    pred = lambda m: any(v > 0 for k, v in m.items() if "down" in k or "timeout" in k or "fail" in k)  # noqa: E731
+    m = flexflow_metrics(srv.url, until=pred)
     down = [v for k, v in m.items() if "down" in k or "timeout" in k or "fail" in k]
     assert down and max(down) > 0, m

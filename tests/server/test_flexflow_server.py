@@ -34,7 +34,7 @@ def test_outputs_identical_and_host_hits(case, plain_baseline, tiny_model, start
     assert last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
     assert rc == 0
     # the backend really moved the bytes: host-tier loads were counted by the connector
-    m = flexflow_metrics(srv.url)
+    m = flexflow_metrics(srv.url, until=lambda m: any(v > 0 for k, v in m.items() if "bytes_loaded" in k))
     loaded = [v for k, v in m.items() if "load" in k and ("tokens" in k or "bytes" in k)]
     assert loaded and max(loaded) > 0, m
     assert "Tree cache initialized" in open(srv.log_path).read()
@@ -53,6 +53,6 @@ def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_se
     assert rc == 0 and last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
     hits = [int(x) for x in re.findall(r"R2 cached=\d+ \(device \d+, host (\d+)\)", stdout)]
     assert hits and any(h > 0 for h in hits), stdout  # some repeats still came from the host tier
-    m = flexflow_metrics(srv.url)
+    m = flexflow_metrics(srv.url, until=lambda m: any(v > 0 for k, v in m.items() if "evict" in k))
     evicted = [v for k, v in m.items() if "evict" in k]
     assert evicted and max(evicted) > 0, m

@@ -153,16 +153,17 @@ cdef class PairCore:
         cdef int trial[8]
         if n == 0:
             return None
-        with nogil:
-            self._score(nbytes, ttft)
-            for p in range(n):
-                if best_all < 0 or self.s_cost[p] < self.s_cost[best_all]:
-                    best_all = p
-                if self.s_rej[p] == 0:
-                    if best_ok < 0 or self.s_cost[p] < self.s_cost[best_ok]:
-                        best_ok = p
-                    if self.ptype[p] == PT_DIRECT and (best_dir < 0 or self.s_cost[p] < self.s_cost[best_dir]):
-                        best_dir = p
+        # runs with the GIL held: releasing it for ~0.5 us invites a thread switch that
+        # costs far more (the loops are nogil-capable if a caller ever needs that)
+        self._score(nbytes, ttft)
+        for p in range(n):
+            if best_all < 0 or self.s_cost[p] < self.s_cost[best_all]:
+                best_all = p
+            if self.s_rej[p] == 0:
+                if best_ok < 0 or self.s_cost[p] < self.s_cost[best_ok]:
+                    best_ok = p
+                if self.ptype[p] == PT_DIRECT and (best_dir < 0 or self.s_cost[p] < self.s_cost[best_dir]):
+                    best_dir = p
         if best_ok < 0:
             choose = best_all
             return (self.ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
@@ -198,61 +199,62 @@ cdef class PairCore:
         if max_split > MAX_SPLIT_CAP:
             max_split = MAX_SPLIT_CAP
         if self.params[P_ENABLE_SPLIT] != 0.0 and max_split >= 2:
-            with nogil:
-                # feasible candidates by available bandwidth, widest first (ties: lower index)
-                for t in range(n):
-                    self.s_rej[t] = self.s_rej[t] * 2  # 0 = feasible & not yet ordered; 2 = infeasible
-                while n_top < SPLIT_TOP:
+            # runs with the GIL held: releasing it for ~0.5 us invites a thread switch that
+            # costs far more (the loops are nogil-capable if a caller ever needs that)
+            # feasible candidates by available bandwidth, widest first (ties: lower index)
+            for t in range(n):
+                self.s_rej[t] = self.s_rej[t] * 2  # 0 = feasible & not yet ordered; 2 = infeasible
+            while n_top < SPLIT_TOP:
+                best_c = -1
+                best_bw = 0.0
+                for p in range(n):
+                    if self.s_rej[p] == 0 and (best_c < 0 or self.s_bw[p] > best_bw):
+                        best_c = p
+                        best_bw = self.s_bw[p]
+                if best_c < 0:
+                    break
+                self.s_rej[best_c] = 1
+                self.s_order[n_top] = best_c
+                n_top += 1
+            best_pair_cost = -1.0
+            best_pair_est = 0.0
+            best_pair_bw = 0.0
+            # first leg among the widest feasible candidates, its partner among ALL feasible
+            # ones (on clusters many rails tie on bandwidth and the disjoint partner is far down)
+            for i in range(n_top):
+                for j in range(n):
+                    if j == self.s_order[i] or self.s_rej[j] == 2:
+                        continue
+                    if self.disjoint[self.s_order[i] * n + j] == 0:
+                        continue
+                    trial[0] = self.s_order[i]
+                    trial[1] = j
+                    c2 = self._set_cost(trial, 2, nbytes, ttft, &e2, &b2)
+                    if best_pair_cost < 0.0 or c2 < best_pair_cost:
+                        best_pair_cost = c2
+                        best_pair_est = e2
+                        best_pair_bw = b2
+                        pair[0] = trial[0]
+                        pair[1] = trial[1]
+            if best_pair_cost >= 0.0:
+                nsel = 2
+                cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
+                while nsel < max_split:
                     best_c = -1
-                    best_bw = 0.0
-                    for p in range(n):
-                        if self.s_rej[p] == 0 and (best_c < 0 or self.s_bw[p] > best_bw):
-                            best_c = p
-                            best_bw = self.s_bw[p]
+                    for c in range(n):
+                        if self.s_rej[c] == 2:
+                            continue
+                        if not self._disjoint_with(c, pair, nsel):
+                            continue
+                        pair[nsel] = c
+                        cand_cost = self._set_cost(pair, nsel + 1, nbytes, ttft, &cand_est, &cand_bw)
+                        if cand_cost < cur_cost:
+                            cur_cost, cur_est, cur_bw = cand_cost, cand_est, cand_bw
+                            best_c = c
                     if best_c < 0:
                         break
-                    self.s_rej[best_c] = 1
-                    self.s_order[n_top] = best_c
-                    n_top += 1
-                best_pair_cost = -1.0
-                best_pair_est = 0.0
-                best_pair_bw = 0.0
-                # first leg among the widest feasible candidates, its partner among ALL feasible
-                # ones (on clusters many rails tie on bandwidth and the disjoint partner is far down)
-                for i in range(n_top):
-                    for j in range(n):
-                        if j == self.s_order[i] or self.s_rej[j] == 2:
-                            continue
-                        if self.disjoint[self.s_order[i] * n + j] == 0:
-                            continue
-                        trial[0] = self.s_order[i]
-                        trial[1] = j
-                        c2 = self._set_cost(trial, 2, nbytes, ttft, &e2, &b2)
-                        if best_pair_cost < 0.0 or c2 < best_pair_cost:
-                            best_pair_cost = c2
-                            best_pair_est = e2
-                            best_pair_bw = b2
-                            pair[0] = trial[0]
-                            pair[1] = trial[1]
-                if best_pair_cost >= 0.0:
-                    nsel = 2
-                    cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
-                    while nsel < max_split:
-                        best_c = -1
-                        for c in range(n):
-                            if self.s_rej[c] == 2:
-                                continue
-                            if not self._disjoint_with(c, pair, nsel):
-                                continue
-                            pair[nsel] = c
-                            cand_cost = self._set_cost(pair, nsel + 1, nbytes, ttft, &cand_est, &cand_bw)
-                            if cand_cost < cur_cost:
-                                cur_cost, cur_est, cur_bw = cand_cost, cand_est, cand_bw
-                                best_c = c
-                        if best_c < 0:
-                            break
-                        pair[nsel] = best_c
-                        nsel += 1
+                    pair[nsel] = best_c
+                    nsel += 1
             if nsel >= 2:
                 sgain = cost / cur_cost - 1.0
                 if sgain > self.params[P_SPLIT_MARGIN]:

@@ -41,7 +41,7 @@ def test_flexflow_selector_defaults():
             c.ttft_sensitive) == (0.10, True, 2, 0.15, False)
 
 
-@pytest.mark.parametrize("name", ["default.yaml", "cpu-dev.yaml", "dgx-a100.yaml"])
+@pytest.mark.parametrize("name", ["default.yaml", "cpu-dev.yaml", "dgx-a100.yaml", "cluster.yaml"])
 def test_shipped_configs_load(name):
     cfg = load_config(os.path.join(ROOT, "configs", name))
     assert isinstance(cfg.selector, SelectorConfig)

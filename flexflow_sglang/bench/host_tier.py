@@ -46,7 +46,7 @@ def _kv_pool(size: int, page_size: int, dtype, heads: int, head_dim: int, layers
 
 
 def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify: bool, seed: int,
-              progress: bool, label: str, device: str = "cpu") -> Dict[str, Any]:
+              progress: bool, label: str, device: str = "cpu", dst: str = "scattered") -> Dict[str, Any]:
     from tqdm import tqdm
 
     from ..config import config_from_dict
@@ -76,6 +76,9 @@ def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify:
         for r in it:
             perm = torch.randperm(total_dev_pages, generator=g) + 1
             src_pages, dst_pages = perm[:num_pages], perm[num_pages:2 * num_pages]
+            if dst == "contiguous":  # what a load gets from a freshly flushed allocator
+                dst_pages = torch.arange(num_pages) + 1 + num_pages
+                src_pages = torch.cat([perm[perm <= num_pages], perm[perm > 2 * num_pages]])[:num_pages]
             ar = torch.arange(page_size)
             src_slots = (src_pages[:, None] * page_size + ar).reshape(-1)
             dst_slots = (dst_pages[:, None] * page_size + ar).reshape(-1)
@@ -138,7 +141,7 @@ def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify:
 
 def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int = 128, dtype="float16",
         page_size: int = 16, repeats: int = 10, seed: int = 0, checksums: Optional[bool] = None,
-        progress: bool = True, device: str = "cpu") -> Dict[str, Any]:
+        progress: bool = True, device: str = "cpu", dst: str = "scattered") -> Dict[str, Any]:
     """Measure store/load throughput through the connector vs `copy_` of the same bytes.
 
     `checksums`: None measures both with and without page checksums; True/False only that mode.
@@ -159,11 +162,11 @@ def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int =
         "num_tokens": num_pages * page_size, "layers": layers, "heads": heads, "head_dim": head_dim,
         "dtype": str(dt).replace("torch.", ""), "page_size": page_size, "repeats": repeats,
         "torch_threads": torch.get_num_threads(), "pool": pool_kind, "target_ratio": TARGET_RATIO,
-        "device": device,
+        "device": device, "destination_slots": dst,
     }
     for verify in modes:
         name = "with_checksums" if verify else "without_checksums"
-        out[name] = _one_mode(bufs, page_size, num_pages, repeats, verify, seed, progress, name, device)
+        out[name] = _one_mode(bufs, page_size, num_pages, repeats, verify, seed, progress, name, device, dst)
     main = out["with_checksums" if True in modes else "without_checksums"]
     out["store_ratio"], out["load_ratio"] = main["store_ratio"], main["load_ratio"]
     out["target_met"] = {name: out[name]["store_ratio"] >= TARGET_RATIO and out[name]["load_ratio"] >= TARGET_RATIO
@@ -185,18 +188,23 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--checksums", choices=["both", "on", "off"], default="both")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dst", choices=["scattered", "contiguous"], default="scattered",
+                    help="load destination slots: random pages (worst case) or one contiguous block "
+                         "(what a freshly flushed allocator hands out)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
     a = ap.parse_args(argv)
     res = run(a.tokens, a.layers, a.heads, a.head_dim, a.dtype, a.page_size, a.repeats,
-              checksums=None if a.checksums == "both" else a.checksums == "on", progress=not a.json, device=a.device)
+              checksums=None if a.checksums == "both" else a.checksums == "on", progress=not a.json, device=a.device,
+              dst=a.dst)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=2)
     if a.json:
         print(json.dumps(res, indent=2))
         return 0
-    print(f"host tier on {res['device']}: {res['num_tokens']} tokens x {res['layers']} layers, page {res['page_size']}, "
+    print(f"host tier on {res['device']} ({res['destination_slots']} load slots): {res['num_tokens']} tokens x "
+          f"{res['layers']} layers, page {res['page_size']}, "
           f"{res['dtype']}; baseline = plain copy of the same bytes in the same run")
     for mode in ("with_checksums", "without_checksums"):
         if mode in res:

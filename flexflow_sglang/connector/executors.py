@@ -162,6 +162,17 @@ class TransferExecutor:
             self._scatter_run(src[start:start + (i1 - i0)], dev_pages[i0:i1])
 
     def _scatter_run(self, rows: torch.Tensor, dev_pages: torch.Tensor) -> None:
+        # Slots freshly allocated for a load are usually a few contiguous runs: plain slice copies
+        # run at memcpy speed, while a scatter (index_copy_) reaches ~40 % of it on CPU.
+        runs = contiguous_runs(dev_pages) if dev_pages.numel() > 1 else []
+        if runs and len(runs) * 4 <= dev_pages.numel():
+            for layer, bufs in enumerate(self.layout.dev_pages):
+                offs = self._offsets[layer]
+                for b, view in enumerate(bufs):
+                    o, w = offs[b], self.layout.seg_words[b]
+                    for i0, i1, start in runs:
+                        view[start:start + (i1 - i0)].copy_(rows[i0:i1, o:o + w])
+            return
         for layer, bufs in enumerate(self.layout.dev_pages):
             offs = self._offsets[layer]
             for b, view in enumerate(bufs):

@@ -49,3 +49,22 @@ def test_gpu_script_dry_run(tmp_path):
     assert steps["host_tier"]["with_checksums"]["roundtrip_equal"]
     assert steps["peer_relay_split"]["relay_bytes_ok"]
     assert steps["peer_relay_split"]["selector_decision"]["chosen_type"] in ("NVLinkRelay", "SplitPath")
+
+
+def test_wheel_carries_core_configs_and_plugin(tmp_path):
+    """`pip install flexflow-sglang` must bring the compiled core, the shipped configs (the defaults are
+    read from configs/default.yaml), the CPU stand-in, the prompt set and the SGLang entry point."""
+    import sys
+    import zipfile
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path), ROOT], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (whl,) = tmp_path.glob("flexflow_sglang-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert any(n.startswith("flexflow_sglang/_selector_core") and n.endswith(".so") for n in names)
+    for need in ("flexflow_sglang/configs/default.yaml", "flexflow_sglang/data/prompts.jsonl",
+                 "flexflow_sglang/cpu_support/sgl_kernel_standin/sgl_kernel/__init__.py"):
+        assert need in names, need
+    ep = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(whl).read(ep).decode()
+    assert "[sglang.srt.plugins]" in text and "flexflow = flexflow_sglang.backend.plugin:register" in text

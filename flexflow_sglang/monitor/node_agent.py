@@ -63,6 +63,9 @@ class NodeAgent:
         self.sources: List[LinkLoadSource] = list(sources) if sources is not None else \
             make_sources(topology, source, sysfs_root)
         self._last_sample_t: Optional[float] = None
+        #: relay pipeline chunk used to discount relay fill from feedback; a PathSelector built on
+        #: this agent sets it from its SelectorConfig.relay_chunk_bytes
+        self.relay_chunk_bytes = 4 << 20
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> "NodeAgent":
@@ -183,7 +186,7 @@ class NodeAgent:
         links = list(links)
         if not links or nbytes <= 0 or seconds <= 0:
             return None
-        from ..selector.selector import RELAY_CHUNK_BYTES, RELAY_OVERHEAD_US
+        from ..selector.selector import RELAY_OVERHEAD_US
         now = time.monotonic()
         gbps = nbytes / seconds / 1e9
         with self._lock:
@@ -198,7 +201,7 @@ class NodeAgent:
             avail = [max(self._cap_bps[l] * (1.0 - self.util[l]), self._cap_bps[l] * 0.01) for l in links]
             bott = links[int(np.argmin(avail))]
             fixed_s = sum(self.topology.links[l].latency_us for l in links) * 1e-6
-            fixed_s += relays * (min(nbytes, RELAY_CHUNK_BYTES) / min(avail) + RELAY_OVERHEAD_US * 1e-6)
+            fixed_s += relays * (min(nbytes, self.relay_chunk_bytes) / min(avail) + RELAY_OVERHEAD_US * 1e-6)
             t_net = seconds - fixed_s
             # below ~256 KiB, or when the bandwidth term is not clearly above the fixed latency, the
             # measurement says nothing reliable about bandwidth

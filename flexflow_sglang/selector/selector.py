@@ -88,6 +88,7 @@ class PathSelector:
         self.agent = agent
         if len(agent.util) != n_links:
             raise TopologyError(f"NodeAgent tracks {len(agent.util)} links but the topology has {n_links}")
+        agent.relay_chunk_bytes = self.config.relay_chunk_bytes  # same pipeline model for feedback
         self._cap = np.array([l.capacity_gbps for l in topology.links], dtype=np.float64)
         self._params = pack_params(self.config)
         self._thr = self._thresholds()
@@ -99,6 +100,7 @@ class PathSelector:
     def update_config(self, config: SelectorConfig) -> None:
         """Swap knobs in place (weights, thresholds, margins); pair tables are rebuilt lazily."""
         self.config = config
+        self.agent.relay_chunk_bytes = config.relay_chunk_bytes
         self._params[:] = pack_params(config)
         self._thr[:] = self._thresholds()
 

@@ -56,3 +56,19 @@ def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_se
     m = flexflow_metrics(srv.url, until=lambda m: any(v > 0 for k, v in m.items() if "evict" in k))
     evicted = [v for k, v in m.items() if "evict" in k]
     assert evicted and max(evicted) > 0, m
+
+
+def test_bad_config_fails_at_start_with_one_message(tiny_model, sglang_ready, tmp_path):
+    """A FLEXFLOW_CONFIG with an out-of-range value stops the server at start-up, and its log names
+    the file, the key, the value and what is allowed."""
+    from flexflow_sglang.server_utils import ServerStartError, SGLangServer
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("selector:\n  nvlink_util_threshold: 1.5\n")
+    log = tmp_path / "bad-server.log"
+    srv = SGLangServer(tiny_model, str(log), radix_cache_backend="flexflow", flexflow_config=str(bad), timeout=180)
+    with pytest.raises(ServerStartError):
+        with srv:
+            pass
+    assert not srv.is_running()
+    text = log.read_text()
+    assert f"invalid flexflow config {bad}: selector.nvlink_util_threshold = 1.5: must be a number in (0, 1]" in text

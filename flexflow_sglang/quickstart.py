@@ -76,27 +76,16 @@ def main(argv=None) -> int:
 
 
 def _flexflow_metrics(url: str) -> dict:
-    """flexflow_* series from SGLang's Prometheus endpoint (present with --enable-metrics)."""
-    import requests
+    """The headline flexflow_* counters (present with --enable-metrics), without the prefix."""
+    from .server_utils import flexflow_metrics
     try:
-        text = requests.get(url.rstrip("/") + "/metrics", timeout=10).text
+        m = flexflow_metrics(url)
     except Exception as e:  # metrics are informative only
         return {"error": str(e)}
-    out = {}
     keep = ("pages_stored", "pages_loaded", "bytes_loaded", "bytes_stored", "hits_by_tier", "load_failures",
             "store_failures", "host_tier_used_bytes", "host_tier_capacity_bytes", "cache_load_backs",
             "cache_load_back_tokens", "bandwidth")
-    for line in text.splitlines():
-        if line.startswith("flexflow_") and " " in line:
-            name, _, value = line.rpartition(" ")
-            name = name.split("{")[0][len("flexflow_"):]
-            if not any(k in name for k in keep):
-                continue
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                pass
-    return out
+    return {k[len("flexflow_"):]: v for k, v in m.items() if any(w in k for w in keep)}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -380,3 +380,19 @@ def model_info(url: str, timeout: float = 10.0) -> dict:
     r = requests.get(url.rstrip("/") + "/model_info", timeout=timeout)
     r.raise_for_status()
     return r.json()
+
+
+def flexflow_metrics(url: str, timeout: float = 10.0) -> dict:
+    """The backend's `flexflow_*` series from GET /metrics (served with --enable-metrics), labels
+    dropped and values summed over label sets (TP ranks). Raises requests' errors."""
+    text = requests.get(url.rstrip("/") + "/metrics", timeout=timeout).text
+    out: dict = {}
+    for line in text.splitlines():
+        if line.startswith("flexflow_") and " " in line:
+            name, _, value = line.rpartition(" ")
+            name = name.split("{")[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(value)
+            except ValueError:
+                pass
+    return out

@@ -122,19 +122,11 @@ def run_miss_pass(url: str, n: int, prefix_words: int, max_new_tokens: int, desc
 
 
 def _flexflow_counters(url: str) -> dict:
+    from ..server_utils import flexflow_metrics
     try:
-        text = requests.get(url.rstrip("/") + "/metrics", timeout=10).text
-    except Exception:
+        return flexflow_metrics(url)
+    except Exception:  # metrics are informative only
         return {}
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("flexflow_") and " " in line:
-            name, _, val = line.rpartition(" ")
-            try:
-                out[name] = out.get(name, 0.0) + float(val)
-            except ValueError:
-                pass
-    return out
 
 
 def _root_cause(log: str) -> str:

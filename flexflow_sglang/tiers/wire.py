@@ -127,18 +127,23 @@ def decode_frame(data: bytes, max_blob: int = MAX_BLOB) -> Frame:
     return decode_body(mtype, data[HEADER_LEN:HEADER_LEN + jlen], data[HEADER_LEN + jlen:])
 
 
+def _arm_timeout(sock: socket.socket, deadline: Optional[float]) -> None:
+    """Socket timeout = what is left until `deadline` (time.monotonic()); None blocks."""
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("control channel timed out")
+    sock.settimeout(left)
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float]) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("control channel timed out")
-            sock.settimeout(left)
-        else:
-            sock.settimeout(None)
+        _arm_timeout(sock, deadline)
         try:
             r = sock.recv_into(view[got:], n - got)
         except socket.timeout:
@@ -160,13 +165,7 @@ def read_frame(sock: socket.socket, deadline: Optional[float] = None, max_blob: 
 def write_frame(sock: socket.socket, mtype: MsgType, body: Optional[dict] = None, blob: bytes = b"",
                 deadline: Optional[float] = None, max_blob: int = MAX_BLOB) -> None:
     data = encode_frame(mtype, body, blob, max_blob)
-    if deadline is not None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("control channel timed out")
-        sock.settimeout(left)
-    else:
-        sock.settimeout(None)
+    _arm_timeout(sock, deadline)
     try:
         sock.sendall(data)
     except socket.timeout:

@@ -38,26 +38,14 @@ def flexflow_metrics(url, until=None, timeout: float = 10.0) -> dict:
     """flexflow_* series from /metrics, summed over label sets (ranks). The backend exports at most
     once a second, so with `until` (a predicate on the dict) poll until it holds or `timeout`."""
     import time
+
+    from flexflow_sglang.server_utils import flexflow_metrics as flexflow_metrics_once
     deadline = time.time() + timeout
     while True:
-        m = _read_metrics(url)
+        m = flexflow_metrics_once(url)
         if until is None or until(m) or time.time() > deadline:
             return m
         time.sleep(0.5)
-
-
-def _read_metrics(url) -> dict:
-    import requests
-    out = {}
-    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("flexflow_") and " " in line:
-            name, _, val = line.rpartition(" ")
-            key = name.split("{")[0]
-            try:
-                out[key] = out.get(key, 0.0) + float(val)
-            except ValueError:
-                pass
-    return out
 
 
 def write_config(tmp_path, name, host_tier=None, **sections) -> str:

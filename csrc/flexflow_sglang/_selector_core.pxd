@@ -50,8 +50,16 @@ cdef class PairCore:
     cdef int* s_worst
     cdef int* s_order
     cdef int* s_sel
+    # per-leg scratch of the split being costed (MAX_SPLIT_CAP each): fixed latency, bytes/us,
+    # chunk breakpoint, relay count, share
+    cdef double* s_la
+    cdef double* s_lb
+    cdef double* s_lk
+    cdef double* s_lr
+    cdef double* s_sh
 
     cdef void _score(self, double nbytes, bint ttft) noexcept nogil
+    cdef double _leg_bytes(self, int i, double t, double chunk) noexcept nogil
     cdef double _set_cost(self, int* sel, int n, double nbytes, bint ttft, double* est_out,
                           double* bw_out) noexcept nogil
     cdef bint _disjoint_with(self, int c, int* sel, int n) noexcept nogil

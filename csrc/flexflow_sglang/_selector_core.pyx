@@ -47,13 +47,20 @@ cdef class PairCore:
         self.s_worst = <int*>malloc(m * sizeof(int))
         self.s_order = <int*>malloc(m * sizeof(int))
         self.s_sel = <int*>malloc(MAX_SPLIT_CAP * sizeof(int))
+        self.s_la = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
+        self.s_lb = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
+        self.s_lk = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
+        self.s_lr = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
+        self.s_sh = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
         if not (self.s_bw and self.s_cost and self.s_est and self.s_tl and self.s_q and self.s_risk
-                and self.s_rej and self.s_worst and self.s_order and self.s_sel):
+                and self.s_rej and self.s_worst and self.s_order and self.s_sel and self.s_la
+                and self.s_lb and self.s_lk and self.s_lr and self.s_sh):
             raise MemoryError()
 
     def __dealloc__(self):
         free(self.s_bw); free(self.s_cost); free(self.s_est); free(self.s_tl); free(self.s_q)
         free(self.s_risk); free(self.s_rej); free(self.s_worst); free(self.s_order); free(self.s_sel)
+        free(self.s_la); free(self.s_lb); free(self.s_lk); free(self.s_lr); free(self.s_sh)
 
     def set_params(self, double[::1] params):
         if params.shape[0] != P_NPARAMS:
@@ -112,28 +119,83 @@ cdef class PairCore:
             self.s_cost[p] = (w_bw * t_x + wl * t_l + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
                 * (1.0 + w_qos * risk)
 
+    cdef double _leg_bytes(self, int i, double t, double chunk) noexcept nogil:
+        """Bytes leg i of the split being costed delivers by time t (us): the inverse of its finish
+        time la + (1 + r) * s / b for s <= chunk (the whole share is one pipeline chunk) and
+        la + r * chunk / b + s / b above it; 0 before its fixed latency la has passed."""
+        cdef double la = self.s_la[i]
+        if t <= la:
+            return 0.0
+        if t <= self.s_lk[i]:
+            return (t - la) * self.s_lb[i] / (1.0 + self.s_lr[i])
+        return (t - la) * self.s_lb[i] - self.s_lr[i] * chunk
+
     cdef double _set_cost(self, int* sel, int n, double nbytes, bint ttft, double* est_out,
                           double* bw_out) noexcept nogil:
-        cdef int i, p
-        cdef double bws = 0.0, tl = 0.0, q = 0.0, eh = 0.0, risk = 0.0, t_x, hopf, wl
+        """Cost of splitting over the n paths in sel with shares that make every leg finish at the
+        same time T (left in s_sh); est_out = T. Each leg costs like a single path carrying its
+        share: fixed latency, queueing, and per relay one pipeline chunk of min(share, relay_chunk)
+        plus the hand-off. Returns -1.0 when a leg would carry less than one byte (its fixed
+        latency is not below T): that set is no split."""
+        cdef int i, j, p
+        cdef double chunk = self.params[P_RELAY_CHUNK], relay_ovh = self.params[P_RELAY_OVERHEAD_US]
+        cdef double bws = 0.0, risk = 0.0, b, r, a, tb, sb, bp, s, slope, t_end
+        cdef double sh, c, leg, acc, hopf, wl, w_bw, w_q, w_hops
         for i in range(n):
             p = sel[i]
+            b = self.s_bw[p] * 1000.0
+            r = <double>self.nrelay[p]
+            a = self.fixed_lat[p] + r * relay_ovh + self.s_q[p]
+            self.s_lb[i] = b
+            self.s_lr[i] = r
+            self.s_la[i] = a
+            self.s_lk[i] = a + (1.0 + r) * chunk / b
             bws = bws + self.s_bw[p]
-            if self.s_tl[p] > tl:
-                tl = self.s_tl[p]
-            if self.s_q[p] > q:
-                q = self.s_q[p]
-            if self.extra_hops[p] > eh:
-                eh = self.extra_hops[p]
             if self.s_risk[p] > risk:
                 risk = self.s_risk[p]
+        # T: the latest breakpoint (a leg starts, or its share outgrows one chunk) by which fewer
+        # than nbytes are delivered, plus the rest at the summed slope of the legs there
+        tb = -1.0
+        sb = 0.0
+        for j in range(2 * n):
+            bp = self.s_la[j >> 1] if (j & 1) == 0 else self.s_lk[j >> 1]
+            if tb >= 0.0 and bp <= tb:
+                continue
+            s = 0.0
+            for i in range(n):
+                s = s + self._leg_bytes(i, bp, chunk)
+            if s <= nbytes:
+                tb = bp
+                sb = s
+        slope = 0.0
+        for i in range(n):
+            if tb >= self.s_la[i]:
+                if tb < self.s_lk[i]:
+                    slope = slope + self.s_lb[i] / (1.0 + self.s_lr[i])
+                else:
+                    slope = slope + self.s_lb[i]
+        t_end = tb + (nbytes - sb) / slope
+        est_out[0] = t_end
+        bw_out[0] = bws
+        # the cost: each leg's single-path cost for its own share (transfer, latency and queueing
+        # terms, its own hop penalty), weighted by its bytes; QoS risk of the riskiest leg
         hopf = TTFT_HOP_FACTOR if ttft else 1.0
         wl = self.params[P_W_LAT] * (TTFT_LAT_FACTOR if ttft else 1.0)
-        t_x = nbytes / (bws * 1000.0)
-        est_out[0] = t_x + tl + q
-        bw_out[0] = bws
-        return (self.params[P_W_BW] * t_x + wl * tl + self.params[P_W_Q] * q) \
-            * (1.0 + self.params[P_W_HOPS] * eh * hopf) * (1.0 + self.params[P_W_QOS] * risk)
+        w_bw = self.params[P_W_BW]
+        w_q = self.params[P_W_Q]
+        w_hops = self.params[P_W_HOPS]
+        acc = 0.0
+        for i in range(n):
+            p = sel[i]
+            sh = self._leg_bytes(i, t_end, chunk)
+            if sh < 1.0:
+                return -1.0
+            self.s_sh[i] = sh
+            c = sh if sh < chunk else chunk
+            leg = (w_bw * (sh / self.s_lb[i]) + wl * (self.fixed_lat[p] + self.s_lr[i] * (c / self.s_lb[i] + relay_ovh))
+                   + w_q * self.s_q[p]) * (1.0 + w_hops * self.extra_hops[p] * hopf)
+            acc = acc + sh * leg
+        return acc / nbytes * (1.0 + self.params[P_W_QOS] * risk)
 
     cdef bint _disjoint_with(self, int c, int* sel, int n) noexcept nogil:
         cdef int i
@@ -230,7 +292,7 @@ cdef class PairCore:
                     trial[0] = self.s_order[i]
                     trial[1] = j
                     c2 = self._set_cost(trial, 2, nbytes, ttft, &e2, &b2)
-                    if best_pair_cost < 0.0 or c2 < best_pair_cost:
+                    if c2 >= 0.0 and (best_pair_cost < 0.0 or c2 < best_pair_cost):
                         best_pair_cost = c2
                         best_pair_est = e2
                         best_pair_bw = b2
@@ -248,7 +310,7 @@ cdef class PairCore:
                             continue
                         pair[nsel] = c
                         cand_cost = self._set_cost(pair, nsel + 1, nbytes, ttft, &cand_est, &cand_bw)
-                        if cand_cost < cur_cost:
+                        if cand_cost >= 0.0 and cand_cost < cur_cost:
                             cur_cost, cur_est, cur_bw = cand_cost, cand_est, cand_bw
                             best_c = c
                     if best_c < 0:
@@ -259,10 +321,11 @@ cdef class PairCore:
                 sgain = cost / cur_cost - 1.0
                 if sgain > self.params[P_SPLIT_MARGIN]:
                     idx = tuple([pair[i] for i in range(nsel)])
+                    self._set_cost(pair, nsel, nbytes, ttft, &e2, &b2)  # the chosen set's equal-finish shares
                     shares = []
                     rem = int(nbytes)
                     for i in range(nsel - 1):
-                        s = int(nbytes * (self.s_bw[pair[i]] / cur_bw))
+                        s = int(self.s_sh[i])
                         shares.append(s)
                         rem -= s
                     shares.append(rem)

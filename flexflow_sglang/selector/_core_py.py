@@ -50,6 +50,13 @@ class PairCore:
         self.s_rej = [0] * m
         self.s_worst = [0] * m
         self.s_order = [0] * m
+        # per-leg scratch of the split being costed: fixed latency, bytes/us, chunk breakpoint,
+        # relay count, share
+        self.s_la = [0.0] * MAX_SPLIT_CAP
+        self.s_lb = [0.0] * MAX_SPLIT_CAP
+        self.s_lk = [0.0] * MAX_SPLIT_CAP
+        self.s_lr = [0.0] * MAX_SPLIT_CAP
+        self.s_sh = [0.0] * MAX_SPLIT_CAP
 
     def set_params(self, params):
         if len(params) != P_NPARAMS:
@@ -108,30 +115,80 @@ class PairCore:
             self.s_cost[p] = (w_bw * t_x + wl * t_l + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
                 * (1.0 + w_qos * risk)
 
+    def _leg_bytes(self, i, t, chunk):
+        """Bytes leg i of the split being costed delivers by time t (us): the inverse of its finish
+        time la + (1 + r) * s / b for s <= chunk (the whole share is one pipeline chunk) and
+        la + r * chunk / b + s / b above it; 0 before its fixed latency la has passed."""
+        la = self.s_la[i]
+        if t <= la:
+            return 0.0
+        if t <= self.s_lk[i]:
+            return (t - la) * self.s_lb[i] / (1.0 + self.s_lr[i])
+        return (t - la) * self.s_lb[i] - self.s_lr[i] * chunk
+
     def _set_cost(self, sel, n, nbytes, ttft):
+        """Cost, estimated time and summed bandwidth of splitting over the n paths in sel, with
+        shares that make every leg finish at the same time T (left in s_sh). Each leg costs like a
+        single path carrying its share: fixed latency, queueing, and per relay one pipeline chunk
+        of min(share, relay_chunk) plus the hand-off. Returns cost -1.0 when a leg would carry
+        less than one byte (its fixed latency is not below T): that set is no split."""
+        params = self.params
+        chunk, relay_ovh = float(params[P_RELAY_CHUNK]), float(params[P_RELAY_OVERHEAD_US])
         bws = 0.0
-        tl = 0.0
-        q = 0.0
-        eh = 0.0
         risk = 0.0
+        la, lb, lk, lr = self.s_la, self.s_lb, self.s_lk, self.s_lr
         for i in range(n):
             p = sel[i]
+            b = self.s_bw[p] * 1000.0
+            r = float(self.nrelay[p])
+            a = self.fixed_lat[p] + r * relay_ovh + self.s_q[p]
+            lb[i] = b
+            lr[i] = r
+            la[i] = a
+            lk[i] = a + (1.0 + r) * chunk / b
             bws = bws + self.s_bw[p]
-            if self.s_tl[p] > tl:
-                tl = self.s_tl[p]
-            if self.s_q[p] > q:
-                q = self.s_q[p]
-            if self.extra_hops[p] > eh:
-                eh = self.extra_hops[p]
             if self.s_risk[p] > risk:
                 risk = self.s_risk[p]
-        params = self.params
+        # T: the latest breakpoint (a leg starts, or its share outgrows one chunk) by which fewer
+        # than nbytes are delivered, plus the rest at the summed slope of the legs there
+        tb = -1.0
+        sb = 0.0
+        for j in range(2 * n):
+            bp = la[j >> 1] if (j & 1) == 0 else lk[j >> 1]
+            if tb >= 0.0 and bp <= tb:
+                continue
+            s = 0.0
+            for i in range(n):
+                s = s + self._leg_bytes(i, bp, chunk)
+            if s <= nbytes:
+                tb = bp
+                sb = s
+        slope = 0.0
+        for i in range(n):
+            if tb >= la[i]:
+                if tb < lk[i]:
+                    slope = slope + lb[i] / (1.0 + lr[i])
+                else:
+                    slope = slope + lb[i]
+        t_end = tb + (nbytes - sb) / slope
+        # the cost: each leg's single-path cost for its own share (transfer, latency and queueing
+        # terms, its own hop penalty), weighted by its bytes; QoS risk of the riskiest leg
         hopf = TTFT_HOP_FACTOR if ttft else 1.0
         wl = float(params[P_W_LAT]) * (TTFT_LAT_FACTOR if ttft else 1.0)
-        t_x = nbytes / (bws * 1000.0)
-        cost = (float(params[P_W_BW]) * t_x + wl * tl + float(params[P_W_Q]) * q) \
-            * (1.0 + float(params[P_W_HOPS]) * eh * hopf) * (1.0 + float(params[P_W_QOS]) * risk)
-        return cost, t_x + tl + q, bws
+        w_bw, w_q, w_hops = float(params[P_W_BW]), float(params[P_W_Q]), float(params[P_W_HOPS])
+        acc = 0.0
+        for i in range(n):
+            p = sel[i]
+            sh = self._leg_bytes(i, t_end, chunk)
+            if sh < 1.0:
+                return -1.0, t_end, bws
+            self.s_sh[i] = sh
+            c = sh if sh < chunk else chunk
+            leg = (w_bw * (sh / lb[i]) + wl * (self.fixed_lat[p] + lr[i] * (c / lb[i] + relay_ovh))
+                   + w_q * self.s_q[p]) * (1.0 + w_hops * self.extra_hops[p] * hopf)
+            acc = acc + sh * leg
+        cost = acc / nbytes * (1.0 + float(params[P_W_QOS]) * risk)
+        return cost, t_end, bws
 
     def _disjoint_with(self, c, sel, n):
         for i in range(n):
@@ -224,7 +281,7 @@ class PairCore:
                         continue
                     trial = (order[i], j)
                     c2, e2, b2 = self._set_cost(trial, 2, nbytes, ttft)
-                    if best_pair_cost < 0.0 or c2 < best_pair_cost:
+                    if c2 >= 0.0 and (best_pair_cost < 0.0 or c2 < best_pair_cost):
                         best_pair_cost, best_pair_est, best_pair_bw = c2, e2, b2
                         pair[0], pair[1] = trial
             if best_pair_cost >= 0.0:
@@ -239,7 +296,7 @@ class PairCore:
                             continue
                         pair[nsel] = c
                         cand_cost, cand_est, cand_bw = self._set_cost(pair, nsel + 1, nbytes, ttft)
-                        if cand_cost < cur_cost:
+                        if cand_cost >= 0.0 and cand_cost < cur_cost:
                             cur_cost, cur_est, cur_bw = cand_cost, cand_est, cand_bw
                             best_c = c
                     if best_c < 0:
@@ -250,10 +307,11 @@ class PairCore:
                 sgain = cost / cur_cost - 1.0
                 if sgain > float(params[P_SPLIT_MARGIN]):
                     idx = tuple(pair[i] for i in range(nsel))
+                    self._set_cost(pair, nsel, nbytes, ttft)  # the chosen set's equal-finish shares
                     shares = []
                     rem = int(nbytes)
                     for i in range(nsel - 1):
-                        s = int(nbytes * (self.s_bw[pair[i]] / cur_bw))
+                        s = int(self.s_sh[i])
                         shares.append(s)
                         rem -= s
                     shares.append(rem)

@@ -88,8 +88,75 @@ def test_split_shares_sum_exactly(impl):
     d = sel.select(TransferRequest("n0", "n2", 64 * MiB))
     assert d.chosen_type == PathType.SplitPath
     shares = {s.nodes: s.nbytes for s in d.subpaths}
-    # weighted by available bandwidth: relay (idle) carries 2x the half-loaded direct link
-    assert shares[("n0", "n1", "n2")] == pytest.approx(2 * shares[("n0", "n2")], rel=1e-6)
+    # the idle relay carries more than the half-loaded direct link, though less than the 2x its
+    # bandwidth alone would give it: it also pays a second hop and the pipeline fill
+    assert shares[("n0", "n2")] < shares[("n0", "n1", "n2")] < 2 * shares[("n0", "n2")]
+    times = _leg_finish_us(sel, d)
+    assert max(times) == pytest.approx(min(times), rel=1e-6)
+    assert d.estimated_time_us == pytest.approx(max(times), rel=1e-6)
+
+
+def _leg_finish_us(sel, d):
+    """Each leg's predicted finish (us) under the single-path model applied to its own share: share
+    at the path's available bandwidth + link latencies + per relay one min(share, chunk) pipeline
+    chunk and the hand-off + queueing."""
+    from flexflow_sglang.selector.selector import RELAY_OVERHEAD_US
+    by_nodes = {p.nodes: (p, bw) for p, bw, _, _, _ in sel.scores(d.request.src, d.request.dst, d.request.data_bytes)}
+    chunk = sel.config.relay_chunk_bytes
+    out = []
+    for leg in d.subpaths:
+        path, bw = by_nodes[leg.nodes]
+        lat = sum(sel.topology.links[l].latency_us for l in path.links)
+        q = sum(float(sel.agent.qdelay_us[l]) for l in path.links)
+        out.append(leg.nbytes / (bw * 1e3) + lat + len(path.relays) * (min(leg.nbytes, chunk) / (bw * 1e3)
+                                                                         + RELAY_OVERHEAD_US) + q)
+    return out
+
+
+def _latency_skewed_triangle():
+    """n0-n2 direct with 1 us latency; the relay via n1 has the same 10 GB/s but 200 us per hop."""
+    from flexflow_sglang.topology.graph import LinkType, NodeKind
+    topo = Topology("skewed", "test:skewed")
+    for h in range(3):
+        topo.add_node(f"n{h}", NodeKind.CPU, f"n{h}", 0)
+    topo.add_link("n0", "n2", LinkType.ETHERNET, 10.0, 1.0)
+    topo.add_link("n0", "n1", LinkType.ETHERNET, 10.0, 200.0)
+    topo.add_link("n1", "n2", LinkType.ETHERNET, 10.0, 200.0)
+    return topo
+
+
+def test_split_shares_equalise_finish_times(impl):
+    # equal bandwidth, very different fixed latency: proportional-to-bandwidth shares (50/50) would
+    # make the relay leg finish ~450 us after the direct one
+    topo = _latency_skewed_triangle()
+    agent = NodeAgent(topo, source="mock")
+    sel = PathSelector(topo, agent, SelectorConfig(), impl=impl)
+    for n in (64 * MiB, 256 * MiB + 5):
+        d = sel.select(TransferRequest("n0", "n2", n))
+        assert d.chosen_type == PathType.SplitPath
+        shares = {s.nodes: s.nbytes for s in d.subpaths}
+        assert sum(shares.values()) == n
+        assert shares[("n0", "n1", "n2")] < shares[("n0", "n2")]
+        times = _leg_finish_us(sel, d)
+        assert max(times) == pytest.approx(min(times), rel=1e-6)
+        assert d.estimated_time_us == pytest.approx(max(times), rel=1e-6)
+        assert d.estimated_time_us < sel.always_direct(TransferRequest("n0", "n2", n)).estimated_time_us
+    # the relay leg's fixed latency (400 us + fill) exceeds the whole transfer's time on the direct
+    # leg (~105 us for 1 MiB): it would get no bytes, so no split even with a zero margin
+    sel0 = PathSelector(topo, agent, SelectorConfig(split_benefit_margin=0.0), impl=impl)
+    for n in (1, 4096, 1 * MiB):
+        d = sel0.select(TransferRequest("n0", "n2", n))
+        assert d.chosen_type == PathType.Direct and d.hops == ("n0", "n2")
+
+
+def test_split_shares_small_payload_pays_fill_on_its_share(impl):
+    # under one chunk, a relay leg's pipeline fill is its own share (store-and-forward of the whole
+    # share), not min(request, chunk): the 1 MiB idle-mesh split is still predicted to finish together
+    _, _, sel = mk("dgx-a100", impl, split_benefit_margin=0.0)
+    d = sel.select(TransferRequest("gpu0", "gpu1", 1 * MiB))
+    assert d.chosen_type == PathType.SplitPath
+    times = _leg_finish_us(sel, d)
+    assert max(times) == pytest.approx(min(times), abs=1e-4)  # shares are whole bytes: 1e-5 us each
 
 
 def test_split_margin_and_switch(impl):

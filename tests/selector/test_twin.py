@@ -17,7 +17,8 @@ def test_identical_decisions_on_random_loads(mock):
     topo = make_mock(mock)
     agent = NodeAgent(topo, source="mock")
     cfgs = [SelectorConfig(), SelectorConfig(enable_split_path=False), SelectorConfig(max_split_paths=3, w_hops=0.5),
-            SelectorConfig(w_qos_risk=0.0, relay_benefit_margin=0.0, split_benefit_margin=0.0)]
+            SelectorConfig(w_qos_risk=0.0, relay_benefit_margin=0.0, split_benefit_margin=0.0),
+            SelectorConfig(max_split_paths=8, w_hops=0.0, split_benefit_margin=0.0, relay_chunk_bytes=1 << 20)]
     sels = [(PathSelector(topo, agent, c, impl="compiled"), PathSelector(topo, agent, c, impl="python")) for c in cfgs]
     eps = [n.name for n in topo.nodes.values() if n.kind.value in ("gpu", "cpu", "storage")]
     checked = 0

@@ -132,6 +132,15 @@ class RemoteTierConfig:
     write_through: bool = True
 
 
+@dataclass(frozen=True)
+class PDConfig:
+    enabled: bool = False
+    policy: str = "adaptive"  # adaptive | first_rail | primary
+    rails: Tuple[str, ...] = ()
+    rail_gbps: float = 12.5
+    rail_latency_us: float = 20.0
+
+
 _RULES: Dict[str, Dict[str, tuple]] = {
     "topology": {"source": ("choice", ("auto", "discover", "mock", "file")), "mock": ("str", None),
                  "file": ("opt_str", None)},
@@ -146,6 +155,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
     "remote_tier": {"enabled": ("bool", None), "peers": ("str_list", None), "listen": ("str", None),
                     "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),
                     "write_through": ("bool", None)},
+    "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
+           "rails": ("str_list", None), "rail_gbps": ("positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",
@@ -160,6 +171,7 @@ class FlexFlowConfig:
     host_tier: HostTierConfig = field(default_factory=HostTierConfig)
     storage_tier: StorageTierConfig = field(default_factory=StorageTierConfig)
     remote_tier: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    pd: PDConfig = field(default_factory=PDConfig)
     selector_impl: str = "auto"
     log_level: str = "INFO"
     path: Optional[str] = None  # the file it came from (None = defaults)
@@ -183,7 +195,8 @@ class FlexFlowConfig:
 
 
 _SECTION_CLASSES = {"topology": TopologyConfig, "monitor": MonitorConfig, "host_tier": HostTierConfig,
-                    "storage_tier": StorageTierConfig, "remote_tier": RemoteTierConfig}
+                    "storage_tier": StorageTierConfig, "remote_tier": RemoteTierConfig,
+                    "pd": PDConfig}
 
 
 def _read_yaml(path: str, what: str) -> dict:

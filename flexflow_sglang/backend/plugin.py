@@ -49,6 +49,9 @@ def _register_hooks() -> None:
     HookRegistry.register(TICK_TARGET, _flexflow_tick, HookType.BEFORE)
     # new weights make every host copy stale
     HookRegistry.register(WEIGHT_UPDATE_TARGET, _clear_host_after_weight_update, HookType.BEFORE)
+    # PD: KV managers of --disaggregation-transfer-backend nixl (active only with pd.enabled)
+    from ..pd.hooks import register_pd_hooks
+    register_pd_hooks(HookRegistry, HookType)
     _hooks_registered = True
 
 

@@ -1,0 +1,309 @@
+"""FlexFlow's subclass of SGLang's NIXL PD KV manager (handed out by the get_kv_class hook).
+
+What it changes, and nothing else:
+
+1. Host-resident KV pools. SGLang's NIXL manager registers the KV pool as VRAM unconditionally
+   (prefill never sets ``kv_data_mem_kinds``; decode sets VRAM), which fails on a CPU server
+   (``--device cpu``). When the pool lives in host memory we register it as DRAM on both sides.
+2. Rails (prefill side, ``pd.rails`` non-empty, ``pd.policy`` adaptive / first_rail). One extra
+   NIXL agent per rail, its UCX backend bound to that device (``device_list``), the KV pool
+   registered with it and every decode peer's metadata loaded into it. Each KV chunk that SGLang's
+   transfer worker hands to ``send_kvcache`` is planned by the :class:`RailRouter`: the whole
+   chunk on the best rail, or its pages split over two rails in the selector's shares. Each leg is
+   posted on its rail's agent through SGLang's own descriptor builder (``_send_kvcache_generic``
+   with ``bypass_prepped``), so MHA / MLA / PP layouts stay SGLang's. The legs come back to the
+   worker as one :class:`RoutedXfer`, which ``_await_handles`` understands; a leg that cannot be
+   posted on its rail falls back to SGLang's agent (the transfer never fails because of routing).
+   Aux data, state buffers, staging, DCP and heterogeneous-TP transfers are left on SGLang's agent.
+
+Completion is still SGLang's: the worker waits for every leg, then sends its KV_STATUS message; the
+decode side needs no change (its agent is the WRITE target whichever local agent wrote).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any, List, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+_CLASS_CACHE: dict = {}
+
+
+class RoutedXfer:
+    """The legs of one routed KV chunk: [(agent, handle, rail, nbytes, t_posted)]."""
+
+    __slots__ = ("legs", "done", "failed")
+
+    def __init__(self):
+        self.legs: List[Tuple[Any, Any, int, int, float]] = []
+        self.done: List[bool] = []
+        self.failed = False
+
+    def add(self, agent, handle, rail: int, nbytes: int, t_posted: float) -> None:
+        self.legs.append((agent, handle, rail, nbytes, t_posted))
+        self.done.append(False)
+
+
+_ENV_LOCK = threading.Lock()
+
+
+def create_rail_backend(agent, dev: str, sysfs_root: str = "/sys") -> None:
+    """A UCX backend bound to one device. NIXL's ``device_list`` takes HCA names (it appends the
+    port, ``mlx5_0`` -> ``mlx5_0:1``), so it is used for InfiniBand/RoCE devices; Ethernet devices
+    go through UCX_NET_DEVICES, which UCX reads once, when the backend's context is created."""
+    if os.path.isdir(os.path.join(sysfs_root, "class", "infiniband", dev)):
+        agent.create_backend("UCX", {"device_list": dev})
+        return
+    with _ENV_LOCK:
+        saved = os.environ.get("UCX_NET_DEVICES")
+        os.environ["UCX_NET_DEVICES"] = dev
+        try:
+            agent.create_backend("UCX", {})
+        finally:
+            if saved is None:
+                os.environ.pop("UCX_NET_DEVICES", None)
+            else:
+                os.environ["UCX_NET_DEVICES"] = saved
+
+
+def kv_on_host(server_args) -> bool:
+    return str(getattr(server_args, "device", "") or "").lower() == "cpu"
+
+
+def flexflow_nixl_manager_class():
+    """The subclass is built lazily: importing SGLang's NIXL module pulls in nixl and zmq."""
+    cls = _CLASS_CACHE.get("manager")
+    if cls is not None:
+        return cls
+    from sglang.srt.disaggregation.base.conn import KVArgs  # noqa: F401  (import check)
+    from sglang.srt.disaggregation.nixl.conn import NixlKVManager
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from .settings import pd_settings
+
+    class FlexFlowNixlKVManager(NixlKVManager):
+        is_flexflow = True
+
+        # SGLang assigns self.agent in NixlKVManager.__init__ and reads it everywhere; a transfer
+        # worker posting a leg on a rail swaps in that rail's agent for its own thread only.
+        @property
+        def agent(self):
+            tl = self.__dict__.get("_ff_tls")
+            override = getattr(tl, "agent", None) if tl is not None else None
+            return override if override is not None else self.__dict__["_ff_primary_agent"]
+
+        @agent.setter
+        def agent(self, value):
+            self.__dict__["_ff_primary_agent"] = value
+
+        def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, **kwargs):
+            self.__dict__["_ff_tls"] = threading.local()
+            self._ff_settings = pd_settings()
+            self._ff_rails: List[Tuple[str, Any]] = []  # (device, nixl agent)
+            self._ff_rail_peers: List[set] = []
+            self._ff_router = None
+            self._ff_exporter = None
+            self._ff_lock = threading.Lock()
+            if kv_on_host(server_args):
+                n = len(getattr(args, "kv_data_ptrs", None) or [])
+                args.kv_data_mem_kinds = ["DRAM"] * n
+                st = getattr(args, "state_data_ptrs", None) or []
+                if st and hasattr(args, "state_data_mem_kinds"):
+                    args.state_data_mem_kinds = ["DRAM"] * len(st)
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
+            cfg = self._ff_settings
+            if (disaggregation_mode == DisaggregationMode.PREFILL and cfg.rails
+                    and cfg.policy in ("adaptive", "first_rail")):
+                self._ff_setup_rails(cfg)
+            logger.info("flexflow PD: NIXL KV manager (%s), KV memory %s, policy %s, rails %s",
+                        disaggregation_mode.value if hasattr(disaggregation_mode, "value") else disaggregation_mode,
+                        "DRAM" if kv_on_host(server_args) else "VRAM", cfg.policy,
+                        [d for d, _ in self._ff_rails] or "none (SGLang's agent)")
+
+        # ------------------------------------------------------------------ rails
+        def _ff_setup_rails(self, cfg) -> None:
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+            from ..config import load_config
+            from .rails import RailRouter
+
+            full = load_config()
+            kv_addrs = [(ptr, ln, 0 if kind == "DRAM" else self.kv_args.gpu_id, "")
+                        for ptr, ln, kind in zip(self.kv_args.kv_data_ptrs, self.kv_args.kv_data_lens,
+                                                 self.kv_args.kv_data_mem_kinds)]
+            kinds = set(self.kv_args.kv_data_mem_kinds)
+            if len(kinds) != 1:
+                logger.warning("flexflow PD: mixed KV memory kinds %s; rails disabled", sorted(kinds))
+                return
+            mem_kind = kinds.pop()
+            for i, dev in enumerate(cfg.rails):
+                try:
+                    agent = nixl_agent(f"{self.__dict__['_ff_primary_agent'].name}-ff{i}-{uuid.uuid4().hex[:6]}",
+                                       nixl_agent_config(backends=[], num_threads=0,
+                                                         sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
+                    create_rail_backend(agent, dev, full.monitor.sysfs_root)
+                    if not agent.register_memory(kv_addrs, mem_kind):
+                        raise RuntimeError("register_memory returned nothing")
+                except Exception as e:  # a bad rail must not stop the server: SGLang's agent remains
+                    logger.warning("flexflow PD: rail %d (pd.rails[%d] = %r) unusable, skipped: %s", i, i, dev, e)
+                    continue
+                self._ff_rails.append((dev, agent))
+                self._ff_rail_peers.append(set())
+            if not self._ff_rails:
+                return
+            s = full.selector
+            self._ff_router = RailRouter(
+                [d for d, _ in self._ff_rails], s, policy=cfg.policy, default_gbps=cfg.rail_gbps,
+                latency_us=cfg.rail_latency_us, sysfs_root=full.monitor.sysfs_root,
+                sample_interval_ms=full.monitor.sample_interval_ms,
+                feedback_half_life_ms=full.monitor.feedback_half_life_ms, impl=full.selector_impl)
+            try:
+                from ..backend.prom import PromExporter
+                self._ff_exporter = PromExporter({"engine_rank": str(getattr(self.kv_args, "engine_rank", 0))},
+                                                 min_interval_s=0.0, prefix="flexflow_pd")
+            except Exception:  # prometheus_client absent or metrics off: counters stay in the log
+                self._ff_exporter = None
+
+        def _ff_add_peer_to_rails(self, peer_name: str, metadata: bytes) -> None:
+            for i, (dev, agent) in enumerate(self._ff_rails):
+                try:
+                    if not agent.check_remote_metadata(peer_name):
+                        agent.add_remote_agent(metadata)
+                    self._ff_rail_peers[i].add(peer_name)
+                except Exception as e:
+                    self._ff_rail_peers[i].discard(peer_name)
+                    logger.warning("flexflow PD: rail %r cannot reach decode peer %s: %s", dev, peer_name, e)
+
+        def _add_remote_peer(self, decode_kv_args):
+            super()._add_remote_peer(decode_kv_args)
+            if self._ff_rails and decode_kv_args.agent_name in self.decode_kv_args_table:
+                self._ff_add_peer_to_rails(decode_kv_args.agent_name, decode_kv_args.agent_metadata)
+
+        def _reload_invalidated_peers(self, room_transfer_infos):
+            super()._reload_invalidated_peers(room_transfer_infos)
+            for name in list(room_transfer_infos or {}):
+                info = self.decode_kv_args_table.get(name)
+                if info is not None and self._ff_rails:
+                    self._ff_add_peer_to_rails(name, info.agent_metadata)
+
+        # ------------------------------------------------------------------ routed send
+        def send_kvcache(self, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_gpu_id,
+                         dst_mem_kind="VRAM"):
+            router = self._ff_router
+            n = len(prefill_kv_indices)
+            usable = [i for i, peers in enumerate(self._ff_rail_peers) if peer_name in peers]
+            if router is None or n == 0 or not usable:
+                return super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                                            dst_gpu_id, dst_mem_kind)
+            from .rails import split_by_shares
+            per_item = int(sum(self.kv_args.kv_item_lens))
+            nbytes = per_item * n
+            try:
+                plan = router.plan(nbytes)
+            except Exception:  # routing must never fail a transfer: SGLang's own path remains
+                logger.exception("flexflow PD: rail planning failed; chunk goes via SGLang's agent")
+                return super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                                            dst_gpu_id, dst_mem_kind)
+            xfer = RoutedXfer()
+            tl = self.__dict__["_ff_tls"]
+            for rail, a, b in split_by_shares(n, plan.shares):
+                leg_bytes = per_item * (b - a)
+                if rail in usable:
+                    agent = self._ff_rails[rail][1]
+                else:
+                    agent, rail = None, -1
+                tl.agent = agent  # None = SGLang's agent
+                try:
+                    router.report_posted(rail, leg_bytes) if rail >= 0 else None
+                    t0 = time.perf_counter()
+                    h = self._send_kvcache_generic(
+                        peer_name=peer_name, src_data_ptrs=self.kv_args.kv_data_ptrs, dst_data_ptrs=dst_kv_ptrs,
+                        item_lens=self.kv_args.kv_item_lens, prefill_data_indices=prefill_kv_indices[a:b],
+                        dst_data_indices=dst_kv_indices[a:b], dst_gpu_id=dst_gpu_id,
+                        src_mem_kind=self.src_mem_kind, dst_mem_kind=dst_mem_kind, bypass_prepped=True)
+                except Exception as e:
+                    if rail < 0 or xfer.legs:
+                        raise  # SGLang's own path failed, or legs are in flight: SGLang's failure handling
+                    logger.warning("flexflow PD: posting on rail %r failed (%s); chunk goes via SGLang's agent",
+                                   self._ff_rails[rail][0], e)
+                    router.report(rail, 0, 0.0, ok=False)
+                    tl.agent = None
+                    return super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                                                dst_gpu_id, dst_mem_kind)
+                finally:
+                    tl.agent = None
+                if h is not None:
+                    xfer.add(agent if agent is not None else self.__dict__["_ff_primary_agent"], h, rail,
+                             leg_bytes, t0)
+            return xfer if xfer.legs else None
+
+        def _ff_state(self, handle) -> Tuple[bool, bool]:
+            """(settled, failed) of a plain NIXL handle or a RoutedXfer; finished legs feed back."""
+            if not isinstance(handle, RoutedXfer):
+                st = self.__dict__["_ff_primary_agent"].check_xfer_state(handle)
+                return st in ("DONE", "ERR"), st == "ERR"
+            for k, (agent, h, rail, nbytes, t0) in enumerate(handle.legs):
+                if handle.done[k]:
+                    continue
+                st = agent.check_xfer_state(h)
+                if st == "DONE":
+                    handle.done[k] = True
+                    if rail >= 0 and self._ff_router is not None:
+                        self._ff_router.report(rail, nbytes, time.perf_counter() - t0)
+                        self._ff_export()
+                elif st == "ERR":
+                    handle.done[k] = True
+                    handle.failed = True
+                    if rail >= 0 and self._ff_router is not None:
+                        self._ff_router.report(rail, nbytes, 0.0, ok=False)
+            return all(handle.done), handle.failed
+
+        def _ff_export(self) -> None:
+            if self._ff_exporter is not None and self._ff_router is not None:
+                snap = self._ff_router.snapshot()
+                flat = {"chunks": snap["chunks"], "chunks_direct": snap["chunks_direct"],
+                        "chunks_split": snap["chunks_split"], "qos_violations": snap["qos_violations"],
+                        "failures": snap["failures"],
+                        "bytes": {f"rail{i}": b for i, b in enumerate(snap["bytes_per_rail"])},
+                        "seconds": {f"rail{i}": s for i, s in enumerate(snap["seconds_per_rail"])}}
+                self._ff_exporter.update(flat, force=True)
+
+        def _await_handles(self, handles, *, failure_seen):
+            # SGLang's loop, with state reads that understand routed legs (same settle semantics:
+            # unbounded while healthy, bounded once any handle failed).
+            from sglang.srt.disaggregation.nixl import conn as nixl_conn
+            timeout_s = getattr(nixl_conn, "NIXL_ERR_SETTLE_TIMEOUT_S", 30.0)
+            poll_s = getattr(nixl_conn, "NIXL_ERR_SETTLE_POLL_S", 0.01)
+            deadline = time.time() + timeout_s if failure_seen else None
+            while True:
+                all_settled = True
+                any_failed = failure_seen
+                try:
+                    for handle in handles:
+                        settled, failed = self._ff_state(handle)
+                        any_failed = any_failed or failed
+                        all_settled = all_settled and settled
+                except Exception as e:
+                    logger.warning("Failed to read NIXL transfer state: %s", e)
+                    return False, True
+                if all_settled:
+                    return True, any_failed
+                if not any_failed:
+                    time.sleep(0)
+                    continue
+                if deadline is None:
+                    deadline = time.time() + timeout_s
+                elif time.time() >= deadline:
+                    return False, True
+                time.sleep(poll_s)
+
+        def flexflow_pd_stats(self) -> Optional[dict]:
+            return self._ff_router.snapshot() if self._ff_router is not None else None
+
+    _CLASS_CACHE["manager"] = FlexFlowNixlKVManager
+    return FlexFlowNixlKVManager

@@ -1,0 +1,189 @@
+"""Rails between a prefill and a decode instance, and the selector that splits KV over them.
+
+A *rail* is one network device of the prefill host (a NIC port, a veth, ``lo`` in tests) that the
+PD sender can push KV through with its own NIXL UCX agent. The topology is deliberately small:
+
+    prefill --pcie-- rail0 --net(rail0)-- decode
+            --pcie-- rail1 --net(rail1)--
+
+so the PathSelector's candidates are one Direct path per rail plus link-disjoint splits. The
+network link of each rail is read by the NodeAgent from ``/sys/class/net/<dev>/statistics`` (or the
+InfiniBand port counters), and every finished KV chunk feeds back its observed bandwidth, so a rail
+loaded by somebody else's traffic (inference collectives, another tenant) is avoided or given a
+smaller share, and QoS thresholds keep KV off rails that are already near saturation.
+
+Relay through a third node is not offered here: the decode instance is the only peer the PD
+sender knows, and SGLang's bootstrap gives no relay endpoint (docs/pd.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..errors import ConfigError
+from ..monitor import NodeAgent
+from ..selector import PathSelector, SelectorConfig, TransferRequest
+from ..selector.types import PathType
+from ..topology import LinkType, NodeKind, Topology
+
+logger = logging.getLogger(__name__)
+
+_DEVICE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}$")
+SRC, DST = "prefill", "decode"
+
+
+def check_rail_names(rails: Sequence[str], key: str = "pd.rails") -> None:
+    """Device names become sysfs paths and UCX device lists: plain interface names only."""
+    for i, dev in enumerate(rails):
+        if not isinstance(dev, str) or not _DEVICE_RE.match(dev) or dev in (".", ".."):
+            raise ConfigError(f"{key}[{i}] = {dev!r}: not a network device name (letters, digits, _ . : @ -)")
+
+
+def rail_capacity_gbps(dev: str, default_gbps: float, sysfs_root: str = "/sys") -> Tuple[float, str]:
+    """(GB/s, where it came from): sysfs speed (Mbit/s) for Ethernet, `rate` for InfiniBand ports."""
+    path = os.path.join(sysfs_root, "class", "net", dev, "speed")
+    try:
+        with open(path, "r") as f:
+            mbit = float(f.read().strip())
+        if mbit > 0:
+            return mbit / 8000.0, path
+    except (OSError, ValueError):
+        pass
+    return float(default_gbps), "pd.rail_gbps"
+
+
+def _counter_for(dev: str, sysfs_root: str) -> dict:
+    if os.path.isdir(os.path.join(sysfs_root, "class", "net", dev)):
+        return {"sysfs_net": dev}
+    if os.path.isdir(os.path.join(sysfs_root, "class", "infiniband", dev)):
+        return {"sysfs_ib": f"{dev}:1"}
+    return {}
+
+
+def build_rail_topology(rails: Sequence[str], default_gbps: float, latency_us: float = 20.0,
+                        sysfs_root: str = "/sys",
+                        capacities: Optional[Sequence[float]] = None) -> Topology:
+    """prefill -> rail_i -> decode for every rail; capacities from sysfs unless given."""
+    check_rail_names(rails)
+    if not rails:
+        raise ConfigError("pd.rails is empty: nothing to route over")
+    topo = Topology(f"pd-rails{len(rails)}", "pd:rails")
+    topo.add_node(SRC, NodeKind.CPU, SRC, 0)
+    topo.add_node(DST, NodeKind.CPU, DST, 0)
+    for i, dev in enumerate(rails):
+        gbps = float(capacities[i]) if capacities is not None else rail_capacity_gbps(dev, default_gbps, sysfs_root)[0]
+        nic = f"rail{i}"
+        topo.add_node(nic, NodeKind.NIC, SRC, i, device=dev)
+        # the host side of a rail is never the bottleneck here: model it as a wide, idle PCIe hop
+        topo.add_link(SRC, nic, LinkType.PCIE, max(64.0, 4 * gbps), 1.0)
+        topo.add_link(nic, DST, LinkType.ETHERNET, gbps, float(latency_us), counter=_counter_for(dev, sysfs_root))
+    return topo
+
+
+@dataclass
+class RailShare:
+    rail: int
+    fraction: float
+
+
+@dataclass
+class RoutePlan:
+    shares: List[RailShare]
+    path_type: str  # "direct" | "split" | "fixed"
+    reason: str
+    qos_violation: bool = False
+
+
+class RailRouter:
+    """Chooses rails for each KV chunk; collects the chunks' observed bandwidth as feedback.
+
+    Thread-safe: SGLang's NIXL sender runs several transfer workers, each calls plan()/report().
+    """
+
+    def __init__(self, rails: Sequence[str], selector_config: SelectorConfig, policy: str = "adaptive",
+                 default_gbps: float = 12.5, latency_us: float = 20.0, sysfs_root: str = "/sys",
+                 sample_interval_ms: float = 100.0, feedback_half_life_ms: float = 500.0,
+                 impl: str = "auto", start_monitor: bool = True, capacities: Optional[Sequence[float]] = None):
+        if policy not in ("adaptive", "first_rail"):
+            raise ConfigError(f"pd.policy = {policy!r}: RailRouter handles 'adaptive' and 'first_rail'")
+        self.rails = list(rails)
+        self.policy = policy
+        self.topology = build_rail_topology(self.rails, default_gbps, latency_us, sysfs_root, capacities)
+        self.agent = NodeAgent(self.topology, sample_interval_ms=sample_interval_ms,
+                               source="sysfs" if any(l.counter for l in self.topology.links) else "mock",
+                               feedback_half_life_ms=feedback_half_life_ms, sysfs_root=sysfs_root)
+        self.selector = PathSelector(self.topology, self.agent, selector_config, impl=impl)
+        self._rail_of_node = {f"rail{i}": i for i in range(len(self.rails))}
+        self._net_link = {i: self.topology.links_between(f"rail{i}", DST)[0].id for i in range(len(self.rails))}
+        self._lock = threading.Lock()
+        self.stats: Dict[str, object] = {
+            "chunks": 0, "chunks_direct": 0, "chunks_split": 0, "qos_violations": 0,
+            "bytes_per_rail": [0] * len(self.rails), "seconds_per_rail": [0.0] * len(self.rails),
+            "failures": 0,
+        }
+        if start_monitor:
+            self.agent.start()
+
+    def close(self) -> None:
+        self.agent.stop()
+
+    def plan(self, nbytes: int) -> RoutePlan:
+        if self.policy == "first_rail" or len(self.rails) == 1:
+            plan = RoutePlan([RailShare(0, 1.0)], "fixed", "pd.policy first_rail" if self.policy == "first_rail"
+                             else "one rail")
+        else:
+            d = self.selector.select(TransferRequest(SRC, DST, max(1, int(nbytes))))
+            shares = []
+            for sp in d.subpaths:
+                rail = next(self._rail_of_node[n] for n in sp.nodes if n in self._rail_of_node)
+                shares.append(RailShare(rail, sp.nbytes / float(nbytes) if nbytes else 1.0))
+            kind = "split" if d.chosen_type == PathType.SplitPath else "direct"
+            plan = RoutePlan(shares, kind, d.reason, bool(d.qos_violation))
+        with self._lock:
+            self.stats["chunks"] += 1
+            self.stats["chunks_split" if plan.path_type == "split" else "chunks_direct"] += 1
+            self.stats["qos_violations"] += int(plan.qos_violation)
+        return plan
+
+    def report(self, rail: int, nbytes: int, seconds: float, ok: bool = True) -> None:
+        """A leg finished: its own rate is feedback for the rail's network link."""
+        with self._lock:
+            if not ok:
+                self.stats["failures"] += 1
+                return
+            self.stats["bytes_per_rail"][rail] += int(nbytes)
+            self.stats["seconds_per_rail"][rail] += float(seconds)
+        if ok and nbytes > 0 and seconds > 0:
+            self.agent.report_transfer([self._net_link[rail]], int(nbytes), float(seconds))
+
+    def report_posted(self, rail: int, nbytes: int) -> None:
+        """Our bytes are about to hit the rail: the sampled counters must not count them as load."""
+        self.agent.report_progress([self._net_link[rail]], int(nbytes))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            s = {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
+        s["rails"] = list(self.rails)
+        s["utilization"] = [float(self.agent.util[self._net_link[i]]) for i in range(len(self.rails))]
+        return s
+
+
+def split_by_shares(n: int, shares: Sequence[RailShare]) -> List[Tuple[int, int, int]]:
+    """[(rail, start, stop)] covering range(n) in order, sized by the shares (whole items, none empty
+    unless n is smaller than the number of shares)."""
+    out: List[Tuple[int, int, int]] = []
+    total = sum(max(0.0, s.fraction) for s in shares) or 1.0
+    start, acc = 0, 0.0
+    for k, s in enumerate(shares):
+        acc += max(0.0, s.fraction) / total
+        stop = n if k == len(shares) - 1 else min(n, int(round(acc * n)))
+        if stop > start:
+            out.append((s.rail, start, stop))
+            start = stop
+    return out

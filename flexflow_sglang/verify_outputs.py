@@ -224,11 +224,32 @@ def _short(e: Exception) -> str:
     return s if len(s) < 300 else s[:300] + "..."
 
 
-def request_one(url: str, text: str, max_new_tokens: int, timeout: float = 600.0):
+@dataclass(frozen=True)
+class PDTarget:
+    """PD disaggregation: requests go to this prefill server and to --url (the decode server)."""
+    prefill_url: str
+    bootstrap_host: str
+    bootstrap_port: int
+
+
+def request_one(url: str, text: str, max_new_tokens: int, timeout: float = 600.0,
+                pd: Optional[PDTarget] = None):
     """One greedy request; returns a normalized result dict or an error string."""
     body = {"text": text,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
     t0 = time.perf_counter()
+    if pd is not None:
+        from .pd.router import PDRequestError, pd_generate
+        try:
+            data = pd_generate(pd.prefill_url, url, pd.bootstrap_host, pd.bootstrap_port, body, timeout=timeout)
+        except PDRequestError as e:
+            return _short(e)
+        try:
+            res = normalize_response(data)
+        except (ValueError, TypeError, AttributeError):
+            return "decode response is not a /generate result"
+        res["client_latency"] = time.perf_counter() - t0
+        return res
     try:
         r = requests.post(url.rstrip("/") + "/generate", json=body, timeout=timeout)
     except requests.RequestException as e:
@@ -244,26 +265,30 @@ def request_one(url: str, text: str, max_new_tokens: int, timeout: float = 600.0
 
 
 def run_batch(url: str, prompts: Sequence[dict], max_new_tokens: int, concurrency: int,
-              desc: str, progress: bool = True) -> Dict[str, object]:
+              desc: str, progress: bool = True, pd: Optional[PDTarget] = None) -> Dict[str, object]:
     """Send one request per prompt (``concurrency`` at a time); returns id -> result/error."""
     out: Dict[str, object] = {}
     with tqdm(total=len(prompts), desc=desc, unit="req", file=sys.stderr, disable=not progress,
               leave=False) as bar:
         if concurrency <= 1:
             for p in prompts:
-                out[p["id"]] = request_one(url, p["text"], max_new_tokens)
+                out[p["id"]] = request_one(url, p["text"], max_new_tokens, pd=pd)
                 bar.update(1)
         else:
             with cf.ThreadPoolExecutor(max_workers=concurrency) as ex:
-                futs = {ex.submit(request_one, url, p["text"], max_new_tokens): p["id"] for p in prompts}
+                futs = {ex.submit(request_one, url, p["text"], max_new_tokens, pd=pd): p["id"] for p in prompts}
                 for fut in cf.as_completed(futs):
                     out[futs[fut]] = fut.result()
                     bar.update(1)
     return out
 
 
-def flush(url: str, wait_s: float = 120.0) -> Optional[str]:
-    """POST /flush_cache; returns an error string or None."""
+def flush(url: str, wait_s: float = 120.0, pd: Optional[PDTarget] = None) -> Optional[str]:
+    """POST /flush_cache (PD: the prefill server's too); returns an error string or None."""
+    if pd is not None:
+        err = flush(pd.prefill_url, wait_s)
+        if err:
+            return f"prefill {err}"
     try:
         r = requests.post(url.rstrip("/") + "/flush_cache", params={"timeout": wait_s}, timeout=wait_s + 30)
     except requests.RequestException as e:
@@ -277,10 +302,10 @@ def flush(url: str, wait_s: float = 120.0) -> Optional[str]:
 def phase_baseline(args, prompts: List[dict], info: dict) -> int:
     max_new = args.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     if not args.no_flush:
-        err = flush(args.url)
+        err = flush(args.url, pd=getattr(args, 'pd', None))
         if err:
             raise UsageError(err)
-    results = run_batch(args.url, prompts, max_new, args.concurrency, "baseline", args.progress)
+    results = run_batch(args.url, prompts, max_new, args.concurrency, "baseline", args.progress, getattr(args, 'pd', None))
     entries, failures = {}, 0
     for p in prompts:
         res = results[p["id"]]
@@ -326,20 +351,20 @@ def phase_test(args, prompts: List[dict], info: dict) -> int:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} differs from the baseline's {max_new}")
     flush_errors: List[str] = []
     if args.concurrency > 1:
-        r1 = run_batch(args.url, prompts, max_new, args.concurrency, "R1", args.progress)
-        err = flush(args.url)
+        r1 = run_batch(args.url, prompts, max_new, args.concurrency, "R1", args.progress, getattr(args, 'pd', None))
+        err = flush(args.url, pd=getattr(args, 'pd', None))
         if err:
             flush_errors.append(err)
-        r2 = run_batch(args.url, prompts, max_new, args.concurrency, "R2", args.progress)
+        r2 = run_batch(args.url, prompts, max_new, args.concurrency, "R2", args.progress, getattr(args, 'pd', None))
     else:
         r1, r2 = {}, {}
         for p in tqdm(prompts, desc="R1/flush/R2", unit="prompt", file=sys.stderr,
                       disable=not args.progress, leave=False):
-            r1[p["id"]] = request_one(args.url, p["text"], max_new)
-            err = flush(args.url)
+            r1[p["id"]] = request_one(args.url, p["text"], max_new, pd=getattr(args, 'pd', None))
+            err = flush(args.url, pd=getattr(args, 'pd', None))
             if err:
                 flush_errors.append(f"{p['id']}: {err}")
-            r2[p["id"]] = request_one(args.url, p["text"], max_new)
+            r2[p["id"]] = request_one(args.url, p["text"], max_new, pd=getattr(args, 'pd', None))
     verdicts = [
         evaluate_prompt(p["id"], base["prompts"].get(p["id"]), r1[p["id"]], r2[p["id"]],
                         text_hash=prompt_hash(p["text"]), require_host_hit=not args.no_host_hit,
@@ -384,7 +409,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not require host-tier hits on R2 (e.g. a plain SGLang server)")
     ap.add_argument("--no-flush", action="store_true", help="baseline phase: do not flush first")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
+    ap.add_argument("--pd-prefill", metavar="URL", default=None,
+                    help="PD disaggregation: the prefill server; --url is then the decode server")
+    ap.add_argument("--pd-bootstrap", metavar="HOST:PORT", default=None,
+                    help="PD: the prefill server's --disaggregation-bootstrap-port (host defaults to the "
+                         "prefill URL's host)")
     return ap
+
+
+def parse_pd(args) -> Optional[PDTarget]:
+    if not args.pd_prefill and not args.pd_bootstrap:
+        return None
+    if not args.pd_prefill or not args.pd_bootstrap:
+        raise UsageError("PD mode needs both --pd-prefill URL and --pd-bootstrap [HOST:]PORT")
+    from urllib.parse import urlparse
+    host, _, port = args.pd_bootstrap.rpartition(":")
+    host = host or (urlparse(args.pd_prefill).hostname or "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--pd-bootstrap {args.pd_bootstrap!r}: expected HOST:PORT or PORT")
+    return PDTarget(args.pd_prefill, host, int(port))
 
 
 def main(argv=None) -> int:
@@ -398,7 +441,10 @@ def main(argv=None) -> int:
             raise UsageError("--phase baseline needs --out FILE")
         if args.phase == "test" and not args.baseline:
             raise UsageError("--phase test needs --baseline FILE")
+        args.pd = parse_pd(args)
         prompts = load_prompts(args.prompts)
+        if args.pd is not None:
+            check_server(args.pd.prefill_url)
         if args.phase == "test":
             load_baseline(args.baseline)  # fail on a bad file before touching the server
         info = check_server(args.url)

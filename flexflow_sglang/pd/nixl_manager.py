@@ -37,16 +37,19 @@ _CLASS_CACHE: dict = {}
 class RoutedXfer:
     """The legs of one routed KV chunk: [(agent, handle, rail, nbytes, t_posted)]."""
 
-    __slots__ = ("legs", "done", "failed")
+    __slots__ = ("legs", "t_done", "failed", "path_type", "t0", "recorded")
 
-    def __init__(self):
+    def __init__(self, path_type: str, t0: float):
         self.legs: List[Tuple[Any, Any, int, int, float]] = []
-        self.done: List[bool] = []
+        self.t_done: List[Optional[float]] = []
         self.failed = False
+        self.path_type = path_type
+        self.t0 = t0
+        self.recorded = False
 
     def add(self, agent, handle, rail: int, nbytes: int, t_posted: float) -> None:
         self.legs.append((agent, handle, rail, nbytes, t_posted))
-        self.done.append(False)
+        self.t_done.append(None)
 
 
 _ENV_LOCK = threading.Lock()
@@ -69,6 +72,18 @@ def create_rail_backend(agent, dev: str, sysfs_root: str = "/sys") -> None:
                 os.environ.pop("UCX_NET_DEVICES", None)
             else:
                 os.environ["UCX_NET_DEVICES"] = saved
+
+
+def _exporter(engine_rank):
+    """flexflow_pd_* gauges on SGLang's /metrics (multiprocess collector); None when unavailable."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None  # --enable-metrics is off: nothing would collect the gauges
+    try:
+        from ..backend.prom import PromExporter
+        return PromExporter({"engine_rank": str(engine_rank)}, min_interval_s=0.0, prefix="flexflow_pd")
+    except Exception:
+        logger.exception("flexflow PD: Prometheus exporter unavailable")
+        return None
 
 
 def kv_on_host(server_args) -> bool:
@@ -107,8 +122,7 @@ def flexflow_nixl_manager_class():
             self._ff_rails: List[Tuple[str, Any]] = []  # (device, nixl agent)
             self._ff_rail_peers: List[set] = []
             self._ff_router = None
-            self._ff_exporter = None
-            self._ff_lock = threading.Lock()
+            self._ff_stats = None
             if kv_on_host(server_args):
                 n = len(getattr(args, "kv_data_ptrs", None) or [])
                 args.kv_data_mem_kinds = ["DRAM"] * n
@@ -117,9 +131,12 @@ def flexflow_nixl_manager_class():
                     args.state_data_mem_kinds = ["DRAM"] * len(st)
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend, **kwargs)
             cfg = self._ff_settings
-            if (disaggregation_mode == DisaggregationMode.PREFILL and cfg.rails
-                    and cfg.policy in ("adaptive", "first_rail")):
-                self._ff_setup_rails(cfg)
+            if disaggregation_mode == DisaggregationMode.PREFILL:
+                if cfg.rails and cfg.policy in ("adaptive", "first_rail"):
+                    self._ff_setup_rails(cfg)
+                from .stats import ChunkStats
+                self._ff_stats = ChunkStats(len(self._ff_rails), cfg.policy if self._ff_rails else "primary",
+                                            exporter=_exporter(getattr(self.kv_args, "engine_rank", 0)))
             logger.info("flexflow PD: NIXL KV manager (%s), KV memory %s, policy %s, rails %s",
                         disaggregation_mode.value if hasattr(disaggregation_mode, "value") else disaggregation_mode,
                         "DRAM" if kv_on_host(server_args) else "VRAM", cfg.policy,
@@ -156,18 +173,15 @@ def flexflow_nixl_manager_class():
                 self._ff_rail_peers.append(set())
             if not self._ff_rails:
                 return
+            # decode peers that registered while the rails were being built
+            for name, info in list(self.decode_kv_args_table.items()):
+                self._ff_add_peer_to_rails(name, info.agent_metadata)
             s = full.selector
             self._ff_router = RailRouter(
                 [d for d, _ in self._ff_rails], s, policy=cfg.policy, default_gbps=cfg.rail_gbps,
                 latency_us=cfg.rail_latency_us, sysfs_root=full.monitor.sysfs_root,
                 sample_interval_ms=full.monitor.sample_interval_ms,
                 feedback_half_life_ms=full.monitor.feedback_half_life_ms, impl=full.selector_impl)
-            try:
-                from ..backend.prom import PromExporter
-                self._ff_exporter = PromExporter({"engine_rank": str(getattr(self.kv_args, "engine_rank", 0))},
-                                                 min_interval_s=0.0, prefix="flexflow_pd")
-            except Exception:  # prometheus_client absent or metrics off: counters stay in the log
-                self._ff_exporter = None
 
         def _ff_add_peer_to_rails(self, peer_name: str, metadata: bytes) -> None:
             for i, (dev, agent) in enumerate(self._ff_rails):
@@ -194,33 +208,42 @@ def flexflow_nixl_manager_class():
         # ------------------------------------------------------------------ routed send
         def send_kvcache(self, peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_gpu_id,
                          dst_mem_kind="VRAM"):
-            router = self._ff_router
             n = len(prefill_kv_indices)
-            usable = [i for i, peers in enumerate(self._ff_rail_peers) if peer_name in peers]
-            if router is None or n == 0 or not usable:
+            if self._ff_stats is None or n == 0:
                 return super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
                                             dst_gpu_id, dst_mem_kind)
-            from .rails import split_by_shares
             per_item = int(sum(self.kv_args.kv_item_lens))
             nbytes = per_item * n
-            try:
-                plan = router.plan(nbytes)
-            except Exception:  # routing must never fail a transfer: SGLang's own path remains
-                logger.exception("flexflow PD: rail planning failed; chunk goes via SGLang's agent")
-                return super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                                            dst_gpu_id, dst_mem_kind)
-            xfer = RoutedXfer()
+            t0 = time.perf_counter()
+            router = self._ff_router
+            usable = [i for i, peers in enumerate(self._ff_rail_peers) if peer_name in peers]
+            plan = None
+            if router is not None and usable:
+                try:
+                    plan = router.plan(nbytes)
+                except Exception:  # routing must never fail a transfer: SGLang's own path remains
+                    logger.exception("flexflow PD: rail planning failed; chunk goes via SGLang's agent")
+            if plan is None:
+                xfer = RoutedXfer("sglang", t0)
+                h = super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                                         dst_gpu_id, dst_mem_kind)
+                if h is None:
+                    return None
+                xfer.add(self.__dict__["_ff_primary_agent"], h, -1, nbytes, t0)
+                return xfer
+            from .rails import split_by_shares
+            xfer = RoutedXfer(plan.path_type, t0)
             tl = self.__dict__["_ff_tls"]
             for rail, a, b in split_by_shares(n, plan.shares):
                 leg_bytes = per_item * (b - a)
-                if rail in usable:
-                    agent = self._ff_rails[rail][1]
-                else:
-                    agent, rail = None, -1
-                tl.agent = agent  # None = SGLang's agent
+                agent = self._ff_rails[rail][1] if rail in usable else None
+                if agent is None:
+                    rail = -1
                 try:
-                    router.report_posted(rail, leg_bytes) if rail >= 0 else None
-                    t0 = time.perf_counter()
+                    tl.agent = agent  # None = SGLang's agent
+                    if rail >= 0:
+                        router.report_posted(rail, leg_bytes)
+                    t_post = time.perf_counter()
                     h = self._send_kvcache_generic(
                         peer_name=peer_name, src_data_ptrs=self.kv_args.kv_data_ptrs, dst_data_ptrs=dst_kv_ptrs,
                         item_lens=self.kv_args.kv_item_lens, prefill_data_indices=prefill_kv_indices[a:b],
@@ -231,15 +254,19 @@ def flexflow_nixl_manager_class():
                         raise  # SGLang's own path failed, or legs are in flight: SGLang's failure handling
                     logger.warning("flexflow PD: posting on rail %r failed (%s); chunk goes via SGLang's agent",
                                    self._ff_rails[rail][0], e)
-                    router.report(rail, 0, 0.0, ok=False)
                     tl.agent = None
-                    return super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                                                dst_gpu_id, dst_mem_kind)
+                    fallback = RoutedXfer("sglang", t0)
+                    h = super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
+                                             dst_gpu_id, dst_mem_kind)
+                    if h is None:
+                        return None
+                    fallback.add(self.__dict__["_ff_primary_agent"], h, -1, nbytes, t0)
+                    return fallback
                 finally:
                     tl.agent = None
                 if h is not None:
                     xfer.add(agent if agent is not None else self.__dict__["_ff_primary_agent"], h, rail,
-                             leg_bytes, t0)
+                             leg_bytes, t_post)
             return xfer if xfer.legs else None
 
         def _ff_state(self, handle) -> Tuple[bool, bool]:
@@ -247,31 +274,24 @@ def flexflow_nixl_manager_class():
             if not isinstance(handle, RoutedXfer):
                 st = self.__dict__["_ff_primary_agent"].check_xfer_state(handle)
                 return st in ("DONE", "ERR"), st == "ERR"
-            for k, (agent, h, rail, nbytes, t0) in enumerate(handle.legs):
-                if handle.done[k]:
+            for k, (agent, h, rail, nbytes, t_post) in enumerate(handle.legs):
+                if handle.t_done[k] is not None:
                     continue
                 st = agent.check_xfer_state(h)
-                if st == "DONE":
-                    handle.done[k] = True
-                    if rail >= 0 and self._ff_router is not None:
-                        self._ff_router.report(rail, nbytes, time.perf_counter() - t0)
-                        self._ff_export()
-                elif st == "ERR":
-                    handle.done[k] = True
-                    handle.failed = True
-                    if rail >= 0 and self._ff_router is not None:
-                        self._ff_router.report(rail, nbytes, 0.0, ok=False)
-            return all(handle.done), handle.failed
-
-        def _ff_export(self) -> None:
-            if self._ff_exporter is not None and self._ff_router is not None:
-                snap = self._ff_router.snapshot()
-                flat = {"chunks": snap["chunks"], "chunks_direct": snap["chunks_direct"],
-                        "chunks_split": snap["chunks_split"], "qos_violations": snap["qos_violations"],
-                        "failures": snap["failures"],
-                        "bytes": {f"rail{i}": b for i, b in enumerate(snap["bytes_per_rail"])},
-                        "seconds": {f"rail{i}": s for i, s in enumerate(snap["seconds_per_rail"])}}
-                self._ff_exporter.update(flat, force=True)
+                if st in ("DONE", "ERR"):
+                    now = time.perf_counter()
+                    handle.t_done[k] = now
+                    if st == "ERR":
+                        handle.failed = True
+                    elif rail >= 0 and self._ff_router is not None:
+                        self._ff_router.report(rail, nbytes, now - t_post)
+            settled = all(t is not None for t in handle.t_done)
+            if settled and not handle.recorded and self._ff_stats is not None:
+                handle.recorded = True
+                self._ff_stats.record(handle.path_type,
+                                      [(rail, nb, tp, td) for (_, _, rail, nb, tp), td in zip(handle.legs, handle.t_done)],
+                                      not handle.failed, handle.t0)
+            return settled, handle.failed
 
         def _await_handles(self, handles, *, failure_seen):
             # SGLang's loop, with state reads that understand routed legs (same settle semantics:
@@ -303,7 +323,10 @@ def flexflow_nixl_manager_class():
                 time.sleep(poll_s)
 
         def flexflow_pd_stats(self) -> Optional[dict]:
-            return self._ff_router.snapshot() if self._ff_router is not None else None
+            out = self._ff_stats.metrics() if self._ff_stats is not None else {}
+            if self._ff_router is not None:
+                out["utilization"] = self._ff_router.utilization()
+            return out
 
     _CLASS_CACHE["manager"] = FlexFlowNixlKVManager
     return FlexFlowNixlKVManager

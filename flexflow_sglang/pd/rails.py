@@ -21,8 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
-import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -121,12 +119,6 @@ class RailRouter:
         self.selector = PathSelector(self.topology, self.agent, selector_config, impl=impl)
         self._rail_of_node = {f"rail{i}": i for i in range(len(self.rails))}
         self._net_link = {i: self.topology.links_between(f"rail{i}", DST)[0].id for i in range(len(self.rails))}
-        self._lock = threading.Lock()
-        self.stats: Dict[str, object] = {
-            "chunks": 0, "chunks_direct": 0, "chunks_split": 0, "qos_violations": 0,
-            "bytes_per_rail": [0] * len(self.rails), "seconds_per_rail": [0.0] * len(self.rails),
-            "failures": 0,
-        }
         if start_monitor:
             self.agent.start()
 
@@ -145,33 +137,19 @@ class RailRouter:
                 shares.append(RailShare(rail, sp.nbytes / float(nbytes) if nbytes else 1.0))
             kind = "split" if d.chosen_type == PathType.SplitPath else "direct"
             plan = RoutePlan(shares, kind, d.reason, bool(d.qos_violation))
-        with self._lock:
-            self.stats["chunks"] += 1
-            self.stats["chunks_split" if plan.path_type == "split" else "chunks_direct"] += 1
-            self.stats["qos_violations"] += int(plan.qos_violation)
         return plan
 
-    def report(self, rail: int, nbytes: int, seconds: float, ok: bool = True) -> None:
+    def report(self, rail: int, nbytes: int, seconds: float) -> None:
         """A leg finished: its own rate is feedback for the rail's network link."""
-        with self._lock:
-            if not ok:
-                self.stats["failures"] += 1
-                return
-            self.stats["bytes_per_rail"][rail] += int(nbytes)
-            self.stats["seconds_per_rail"][rail] += float(seconds)
-        if ok and nbytes > 0 and seconds > 0:
+        if nbytes > 0 and seconds > 0:
             self.agent.report_transfer([self._net_link[rail]], int(nbytes), float(seconds))
 
     def report_posted(self, rail: int, nbytes: int) -> None:
         """Our bytes are about to hit the rail: the sampled counters must not count them as load."""
         self.agent.report_progress([self._net_link[rail]], int(nbytes))
 
-    def snapshot(self) -> dict:
-        with self._lock:
-            s = {k: (list(v) if isinstance(v, list) else v) for k, v in self.stats.items()}
-        s["rails"] = list(self.rails)
-        s["utilization"] = [float(self.agent.util[self._net_link[i]]) for i in range(len(self.rails))]
-        return s
+    def utilization(self) -> List[float]:
+        return [float(self.agent.util[self._net_link[i]]) for i in range(len(self.rails))]
 
 
 def split_by_shares(n: int, shares: Sequence[RailShare]) -> List[Tuple[int, int, int]]:

@@ -157,6 +157,8 @@ class NetLab:
         self.prefix = f"{NS_PREFIX}-{os.getpid()}-{self.tag}-"
         self.mtu = int(mtu)
         self.links: Dict[frozenset, dict] = {}
+        self.lanes: Dict[tuple, dict] = {}  # (frozenset((a, b)), lane >= 1) -> parallel veth pairs
+        self._subnets = 0
         self.procs: List[subprocess.Popen] = []
         self._created: List[str] = []
         self._closed = False
@@ -197,7 +199,8 @@ class NetLab:
         key = frozenset((a, b))
         if key in self.links:
             raise NetLabError(f"link {a}-{b} exists")
-        k = len(self.links) + 1
+        self._subnets += 1
+        k = self._subnets
         da, db = self.dev(a, b), self.dev(b, a)
         _run(["ip", "link", "add", da, "netns", self.ns(a), "type", "veth", "peer", "name", db,
               "netns", self.ns(b)])
@@ -209,6 +212,39 @@ class NetLab:
         self.links[key] = {"k": k, "addr": addrs, "rate": None}
         if rate:
             self.set_rate(a, b, rate)
+
+    def add_lane(self, a: str, b: str, rate: Optional[str] = "1gbit") -> int:
+        """Another veth pair between a and b (a parallel rail: two NICs between the same hosts),
+        on its own /24; the a-b link itself is lane 0. Returns the new lane's index."""
+        key = frozenset((a, b))
+        if key not in self.links:
+            raise NetLabError(f"add_lane {a}-{b}: create the link first")
+        lane = 1 + sum(1 for (k, _) in self.lanes if k == key)
+        self._subnets += 1
+        k = self._subnets
+        da, db = self.lane_dev(a, b, lane), self.lane_dev(b, a, lane)
+        _run(["ip", "link", "add", da, "netns", self.ns(a), "type", "veth", "peer", "name", db,
+              "netns", self.ns(b)])
+        addrs = {a: f"10.77.{k}.1", b: f"10.77.{k}.2"}
+        for node, dev in ((a, da), (b, db)):
+            _run(["ip", "-n", self.ns(node), "addr", "add", f"{addrs[node]}/24", "dev", dev])
+            _run(["ip", "-n", self.ns(node), "link", "set", dev, "mtu", str(self.mtu)])
+            _run(["ip", "-n", self.ns(node), "link", "set", dev, "up"])
+        self.lanes[(key, lane)] = {"k": k, "addr": addrs, "rate": None}
+        if rate:
+            for x, y in ((a, b), (b, a)):
+                self._tbf("replace", x, self.lane_dev(x, y, lane), rate, DEFAULT_BURST, DEFAULT_LATENCY)
+            self.lanes[(key, lane)]["rate"] = rate
+        return lane
+
+    def lane_dev(self, a: str, b: str, lane: int) -> str:
+        """a's interface on lane `lane` of the a-b link (lane 0 = dev(a, b))."""
+        return self.dev(a, b) if lane == 0 else f"{self.dev(a, b)}l{lane}"
+
+    def lane_addr(self, a: str, b: str, lane: int) -> str:
+        if lane == 0:
+            return self.addr(a, b)
+        return self.lanes[(frozenset((a, b)), lane)]["addr"][a]
 
     def _tbf(self, verb: str, node: str, dev: str, rate: str, burst: str, latency: str) -> None:
         _run(["ip", "netns", "exec", self.ns(node), "tc", "qdisc", verb, "dev", dev, "root", "tbf",

@@ -137,7 +137,7 @@ class PDConfig:
     enabled: bool = False
     policy: str = "adaptive"  # adaptive | first_rail | primary
     rails: Tuple[str, ...] = ()
-    rail_gbps: float = 12.5
+    rail_gbps: Optional[float] = None  # None: sysfs speed of the device, else 12.5
     rail_latency_us: float = 20.0
 
 
@@ -156,7 +156,7 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                     "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),
                     "write_through": ("bool", None)},
     "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
-           "rails": ("str_list", None), "rail_gbps": ("positive", None), "rail_latency_us": ("nonneg", None)},
+           "rails": ("str_list", None), "rail_gbps": ("opt_positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",

@@ -139,9 +139,12 @@ def run_inner(args, spec: dict) -> int:
     base_env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error",
                 "UCX_WARN_UNUSED_ENV_VARS": "n"}
     dec_cfg = _write_cfg(os.path.join(out_dir, "decode.yaml"), "primary", [], rate_bps)
+    # ports are picked here (namespace c): the servers' namespaces are fresh, nothing else listens there
     decode = Server(ns["d"], spec["model"], os.path.join(out_dir, "decode.log"), host=spec["decode_host"],
+                    port=find_free_port(),
                     flexflow_config=dec_cfg, max_total_tokens=args.max_total_tokens, timeout=600,
-                    env=dict(base_env, UCX_NET_DEVICES=",".join(spec["rails_d"])),
+                    env=dict(base_env, UCX_NET_DEVICES=",".join(spec["rails_d"]),
+                             SGLANG_HOST_IP=spec["decode_host"]),
                     extra_args=["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
                                 "--disaggregation-decode-host-receive-threshold", "1",
                                 "--disaggregation-decode-retraction-backup", "cpu_tensor"])
@@ -151,7 +154,7 @@ def run_inner(args, spec: dict) -> int:
     sink_ch = ParentChannel(sink, "sink")
     sink_ch.recv(timeout=60)
     loads = [x.strip() for x in args.loads.split(",") if x.strip()]
-    prompts = make_prompts(args.requests * len(loads) * len(args.policies) + args.warmup, args.words, args.seed)
+    prompts = make_prompts((args.requests * len(loads) + args.warmup) * len(args.policies), args.words, args.seed)
     results: Dict[str, dict] = {}
     decode.start()
     try:
@@ -166,9 +169,10 @@ def run_inner(args, spec: dict) -> int:
             bport = find_free_port()
             cfg = _write_cfg(os.path.join(out_dir, f"prefill-{policy}.yaml"), policy, spec["rails_p"], rate_bps)
             prefill = Server(ns["p"], spec["model"], os.path.join(out_dir, f"prefill-{policy}.log"),
-                             host=spec["prefill_host"], flexflow_config=cfg, max_total_tokens=args.max_total_tokens,
+                             host=spec["prefill_host"], port=find_free_port(), flexflow_config=cfg,
+                             max_total_tokens=args.max_total_tokens,
                              timeout=600, env=dict(base_env, UCX_NET_DEVICES=",".join(spec["rails_p"]),
-                                                   FLEXFLOW_PD_TRACE=trace),
+                                                   SGLANG_HOST_IP=spec["prefill_host"], FLEXFLOW_PD_TRACE=trace),
                              extra_args=["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
                                          "nixl", "--disaggregation-bootstrap-port", str(bport)])
             prefill.start()

@@ -137,6 +137,10 @@ def flexflow_nixl_manager_class():
                 from .stats import ChunkStats
                 self._ff_stats = ChunkStats(len(self._ff_rails), cfg.policy if self._ff_rails else "primary",
                                             exporter=_exporter(getattr(self.kv_args, "engine_rank", 0)))
+            if self._ff_router is not None:
+                caps = [l.capacity_gbps for l in self._ff_router.topology.links if l.b == "decode" or l.a == "decode"]
+                logger.info("flexflow PD: rail capacities %s GB/s, load source %s, selector %s", caps,
+                            self._ff_router.agent.source_mode, self._ff_router.selector.impl)
             logger.info("flexflow PD: NIXL KV manager (%s), KV memory %s, policy %s, rails %s",
                         disaggregation_mode.value if hasattr(disaggregation_mode, "value") else disaggregation_mode,
                         "DRAM" if kv_on_host(server_args) else "VRAM", cfg.policy,

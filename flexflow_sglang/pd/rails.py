@@ -43,8 +43,14 @@ def check_rail_names(rails: Sequence[str], key: str = "pd.rails") -> None:
             raise ConfigError(f"{key}[{i}] = {dev!r}: not a network device name (letters, digits, _ . : @ -)")
 
 
-def rail_capacity_gbps(dev: str, default_gbps: float, sysfs_root: str = "/sys") -> Tuple[float, str]:
-    """(GB/s, where it came from): sysfs speed (Mbit/s) for Ethernet, `rate` for InfiniBand ports."""
+FALLBACK_RAIL_GBPS = 12.5
+
+
+def rail_capacity_gbps(dev: str, configured_gbps: Optional[float], sysfs_root: str = "/sys") -> Tuple[float, str]:
+    """(GB/s, where it came from): pd.rail_gbps when set (a shaped or shared NIC: its speed is not
+    what KV gets), else the device's sysfs speed (Mbit/s), else FALLBACK_RAIL_GBPS."""
+    if configured_gbps is not None:
+        return float(configured_gbps), "pd.rail_gbps"
     path = os.path.join(sysfs_root, "class", "net", dev, "speed")
     try:
         with open(path, "r") as f:
@@ -53,18 +59,18 @@ def rail_capacity_gbps(dev: str, default_gbps: float, sysfs_root: str = "/sys") 
             return mbit / 8000.0, path
     except (OSError, ValueError):
         pass
-    return float(default_gbps), "pd.rail_gbps"
+    return FALLBACK_RAIL_GBPS, "fallback (no sysfs speed)"
 
 
 def _counter_for(dev: str, sysfs_root: str) -> dict:
     if os.path.isdir(os.path.join(sysfs_root, "class", "net", dev)):
         return {"sysfs_net": dev}
     if os.path.isdir(os.path.join(sysfs_root, "class", "infiniband", dev)):
-        return {"sysfs_ib": f"{dev}:1"}
+        return {"sysfs_ib": f"{dev}/1"}
     return {}
 
 
-def build_rail_topology(rails: Sequence[str], default_gbps: float, latency_us: float = 20.0,
+def build_rail_topology(rails: Sequence[str], default_gbps: Optional[float], latency_us: float = 20.0,
                         sysfs_root: str = "/sys",
                         capacities: Optional[Sequence[float]] = None) -> Topology:
     """prefill -> rail_i -> decode for every rail; capacities from sysfs unless given."""
@@ -105,7 +111,7 @@ class RailRouter:
     """
 
     def __init__(self, rails: Sequence[str], selector_config: SelectorConfig, policy: str = "adaptive",
-                 default_gbps: float = 12.5, latency_us: float = 20.0, sysfs_root: str = "/sys",
+                 default_gbps: Optional[float] = None, latency_us: float = 20.0, sysfs_root: str = "/sys",
                  sample_interval_ms: float = 100.0, feedback_half_life_ms: float = 500.0,
                  impl: str = "auto", start_monitor: bool = True, capacities: Optional[Sequence[float]] = None):
         if policy not in ("adaptive", "first_rail"):

@@ -28,17 +28,19 @@ def test_rail_topology_has_one_direct_path_per_rail_and_disjoint_pairs():
     assert all(topo.link_disjoint(a, b) for a in direct for b in direct if a is not b)
 
 
-def test_capacity_from_sysfs_speed_else_config(tmp_path):
+def test_capacity_config_else_sysfs_speed_else_fallback(tmp_path):
     d = tmp_path / "class" / "net" / "eth7"
     d.mkdir(parents=True)
     (d / "speed").write_text("25000\n")  # Mbit/s
-    gbps, src = rail_capacity_gbps("eth7", 12.5, str(tmp_path))
+    gbps, src = rail_capacity_gbps("eth7", None, str(tmp_path))
     assert gbps == pytest.approx(3.125) and src.endswith("eth7/speed")
-    (d / "speed").write_text("-1\n")  # virtual devices report -1
-    assert rail_capacity_gbps("eth7", 12.5, str(tmp_path)) == (12.5, "pd.rail_gbps")
-    topo = build_rail_topology(["eth7"], 12.5, sysfs_root=str(tmp_path))
+    # a configured capacity wins: a shaped or shared NIC delivers less than its link speed
+    assert rail_capacity_gbps("eth7", 0.125, str(tmp_path)) == (0.125, "pd.rail_gbps")
+    (d / "speed").write_text("-1\n")  # virtual devices may report -1
+    assert rail_capacity_gbps("eth7", None, str(tmp_path))[0] == 12.5
+    topo = build_rail_topology(["eth7"], 0.125, sysfs_root=str(tmp_path))
     net = topo.links_between("rail0", "decode")[0]
-    assert net.counter == {"sysfs_net": "eth7"}  # the NodeAgent reads this device's counters
+    assert net.counter == {"sysfs_net": "eth7"} and net.capacity_gbps == 0.125
 
 
 @pytest.mark.parametrize("bad", ["../etc", "", "a b", "x/y", ".."])

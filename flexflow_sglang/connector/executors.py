@@ -7,7 +7,9 @@ Every move is one `TransferRequest(src, dst, bytes)`; the executor carries out t
   CUDA: one stream per subpath, joined with events);
 - NVLinkRelay / CrossNodeRelay / StorageRelay: staged through the relay GPU when this process sees
   it (CUDA, more than one device), otherwise carried out as Direct (debug log).
-Each subpath's bytes and seconds go back to the NodeAgent (`report_transfer`).
+Each subpath's bytes and seconds go back to the NodeAgent (`report_transfer`). While a move runs,
+its legs are reserved on the agent (`reserve_decision`, released as each leg ends, or on failure),
+so a concurrent move sees the links as partly busy; bookkeeping errors never fail a move.
 
 Copies are a few large torch ops: per contiguous run of host pages, one `index_select` (gather into a
 strided host view) or `index_copy_` (scatter) per layer and buffer; no per-token Python loops.
@@ -88,18 +90,44 @@ class TransferExecutor:
             bounds.append(round(acc * n / total))
         dev_pages = dev_pages.to(self.layout.device, dtype=torch.long)
         legs = [(s, bounds[i], bounds[i + 1]) for i, s in enumerate(subs) if bounds[i + 1] > bounds[i]]
-        if self._cuda and len(legs) > 1:
-            self._run_cuda_split(direction, legs, dev_pages, host, host_pages, stats)
-        else:
-            for sub, i0, i1 in legs:
-                t0 = time.perf_counter()
-                self._leg(direction, sub, dev_pages[i0:i1], host, host_pages[i0:i1])
-                if self._cuda:
-                    torch.cuda.current_stream(self.layout.device).synchronize()
-                self._account(sub, (i1 - i0) * self.layout.page_nbytes, time.perf_counter() - t0, stats)
+        tokens = self._reserve(decision)
+        try:
+            if self._cuda and len(legs) > 1:
+                self._run_cuda_split(direction, legs, dev_pages, host, host_pages, stats, tokens)
+            else:
+                for sub, i0, i1 in legs:
+                    t0 = time.perf_counter()
+                    self._leg(direction, sub, dev_pages[i0:i1], host, host_pages[i0:i1])
+                    if self._cuda:
+                        torch.cuda.current_stream(self.layout.device).synchronize()
+                    self._release(tokens, sub)
+                    self._account(sub, (i1 - i0) * self.layout.page_nbytes, time.perf_counter() - t0, stats)
+        finally:
+            self._release(tokens)
         self._record(stats.path_type, stats.nbytes, stats.seconds)
         logger.debug("flexflow %s %d pages (%d B) via %s: %s", direction, n, nbytes, stats.path_type, decision.reason)
         return stats
+
+    def _reserve(self, decision) -> Dict:
+        """Reserve the decision's legs on the agent: {subpath links: token}; {} if that fails."""
+        try:
+            toks = self.agent.reserve_decision(decision)
+            return {tuple(s.links): t for s, t in zip(decision.subpaths, toks)}
+        except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a move
+            logger.debug("flexflow: reserve failed: %r", e)
+            return {}
+
+    def _release(self, tokens: Dict, sub=None) -> None:
+        """Release one leg's reservation (`sub`), or all that are left."""
+        try:
+            if sub is None:
+                toks = list(tokens.values())
+                tokens.clear()
+            else:
+                toks = [tokens.pop(tuple(sub.links), 0)]
+            self.agent.release(toks)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("flexflow: release failed: %r", e)
 
     def _account(self, sub, nbytes: int, seconds: float, stats: MoveStats) -> None:
         self.agent.report_transfer(sub.links, nbytes, max(seconds, 1e-9),
@@ -207,7 +235,8 @@ class TransferExecutor:
             self._scatter_run(staging, dev_pages[c0:c1])
         stream.synchronize()  # loads are complete before init_load_back returns
 
-    def _run_cuda_split(self, direction, legs, dev_pages, host, host_pages, stats) -> None:
+    def _run_cuda_split(self, direction, legs, dev_pages, host, host_pages, stats, tokens=None) -> None:
+        tokens = {} if tokens is None else tokens
         base = torch.cuda.current_stream(self.layout.device)
         done = []
         t0 = time.perf_counter()
@@ -225,6 +254,7 @@ class TransferExecutor:
         for sub, i0, i1, start, end in done:
             end.synchronize()
             base.wait_event(end)
+            self._release(tokens, sub)
             self._account(sub, (i1 - i0) * self.layout.page_nbytes, start.elapsed_time(end) / 1e3, stats)
         stats.seconds = time.perf_counter() - t0
 
@@ -266,8 +296,12 @@ class TransferExecutor:
                 decision = self.selector.select(TransferRequest(src, dst, nbytes, self.ttft_sensitive))
             except Exception:  # noqa: BLE001 - no route known: still run the I/O
                 logger.debug("flexflow: no path %s -> %s for tier I/O", src, dst)
+        tokens = self._reserve(decision) if decision is not None else {}
         t0 = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        finally:
+            self._release(tokens)
         dt = time.perf_counter() - t0
         if decision is not None:
             for sub in decision.subpaths:

@@ -1,11 +1,18 @@
 """NodeAgent: background monitor of link load, plus feedback from the transfers themselves.
 
-Two signals per link, combined as `util = max(sampled, mock, decayed feedback)`:
+Per link, `util = min(1, max(sampled, mock, decayed feedback) + reserved)`:
 - sampled: counters read every `sample_interval_ms` by a daemon thread (NVML NVLink/PCIe, sysfs
   Ethernet / InfiniBand byte counters), minus the bytes our own transfers put on the link, so the
   selector does not flee from its own traffic;
 - feedback: what completed transfers observed (achieved bandwidth -> implied utilisation of the
-  bottleneck link, queueing delay), decayed with a half-life, because ~100 ms sampling misses bursts.
+  bottleneck link, queueing delay), decayed with a half-life, because ~100 ms sampling misses bursts;
+- reserved: our own transfers that were scheduled but have not finished (`reserve()` /
+  `reserve_decision()` when a decision is executed, `release()` when a leg ends or fails). Each leg
+  adds `leg bytes / predicted leg time / link capacity` on every link it crosses, scaled by the
+  predicted fraction still to go (never below RESERVE_FLOOR while held), the sum per link capped at
+  `reserve_cap`, so a transfer that arrives while the previous one still fills its links sees them
+  as partly busy. The same reservations estimate the bytes our in-flight transfers put on sampled
+  counters, so those bytes are not also read as foreign load (no double counting).
 
 The selector reads `util` and `qdelay_us` (float64 arrays indexed by link id) directly. They are
 updated in place, element by element, by whichever thread refreshes them; readers never lock and
@@ -14,10 +21,12 @@ at worst see a mix of two consecutive refreshes, which is harmless for scoring.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 import threading
 import time
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -29,16 +38,33 @@ logger = logging.getLogger(__name__)
 
 #: transfers smaller than this are latency-dominated: they say nothing reliable about bandwidth
 MIN_FEEDBACK_BYTES = 256 << 10
+#: a held reservation past its predicted end still counts this fraction of its rate (it is late,
+#: not gone: typically slowed down by sharing)
+RESERVE_FLOOR = 0.25
+#: a reservation never released is dropped after max(RESERVE_EXPIRY_FACTOR x its predicted time,
+#: the agent's reserve_timeout_s) (a caller that died without release() cannot pin a link)
+RESERVE_EXPIRY_FACTOR = 8.0
+
+
+class _Reservation:
+    __slots__ = ("links", "frac", "rate_bps", "t0", "dur", "expire")
+
+    def __init__(self, links, frac, rate_bps, t0, dur, expire):
+        self.links, self.frac, self.rate_bps = links, frac, rate_bps
+        self.t0, self.dur, self.expire = t0, dur, expire
 
 
 class NodeAgent:
     def __init__(self, topology: Topology, sample_interval_ms: float = 100.0, source="auto",
                  sysfs_root: str = "/sys", feedback_half_life_ms: float = 500.0,
-                 sources: Optional[Sequence[LinkLoadSource]] = None):
+                 sources: Optional[Sequence[LinkLoadSource]] = None, reserve_cap: float = 0.5,
+                 reserve_timeout_s: float = 10.0):
         if sample_interval_ms <= 0:
             raise ValueError(f"NodeAgent: sample_interval_ms must be > 0, got {sample_interval_ms!r}")
         if feedback_half_life_ms <= 0:
             raise ValueError(f"NodeAgent: feedback_half_life_ms must be > 0, got {feedback_half_life_ms!r}")
+        if not (0.0 <= reserve_cap <= 1.0):
+            raise ValueError(f"NodeAgent: reserve_cap must be in [0, 1], got {reserve_cap!r}")
         self.topology = topology
         self.sample_interval_ms = float(sample_interval_ms)
         self.feedback_half_life_s = feedback_half_life_ms / 1000.0
@@ -54,6 +80,20 @@ class NodeAgent:
         self._own_bytes = np.zeros(n)  # cumulative bytes our transfers moved per link
         self._own_prev = np.zeros(n)
         self._own_residual = np.zeros(n)
+        #: in-flight reservations of our own transfers (see reserve()); `reserved` is what they add
+        #: to `util` now (after decay and cap); published for diagnostics, written under the lock
+        self.reserve_cap = float(reserve_cap)
+        self.reserve_timeout_s = float(reserve_timeout_s)
+        self.reserved = np.zeros(n)
+        self._base = np.zeros(n)  # max(sampled, mock, feedback): util without our reservations
+        self._res: dict = {}  # token -> _Reservation
+        self._res_tokens = itertools.count(1)
+        self._res_rate = np.zeros(n)  # bytes/s our held reservations put on each link (undecayed)
+        self._res_bytes = np.zeros(n)  # its integral over time: estimated own bytes per link
+        self._res_prev = np.zeros(n)
+        self._res_t: Optional[float] = None
+        self._est_credit = np.zeros(n)  # own bytes subtracted on the estimate, not yet reported
+        self.reservations_made = 0
         self._lock = threading.Lock()  # serialises writers only; readers never take it
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -117,11 +157,24 @@ class NodeAgent:
         with self._lock:
             own_delta = self._own_bytes - self._own_prev
             self._own_prev = self._own_bytes.copy()
+            self._integrate_locked(now)
+            est_delta = self._res_bytes - self._res_prev
+            self._res_prev = self._res_bytes.copy()
         # our bytes not yet matched against a counter: this interval's plus the previous interval's
         # residual (a chunk reported just after the counters were read). Older residue is dropped so
         # a transfer reported late cannot hide later foreign traffic.
-        pending = own_delta + self._own_residual
+        reported = own_delta + self._own_residual
+        # reported bytes that the previous interval already subtracted on the reservations' estimate
+        # (a transfer reported only at its end) are not subtracted twice
+        cancel = np.minimum(reported, self._est_credit)
+        reported = reported - cancel
+        # reports and the reservations' estimate describe the same bytes: never their sum. Where a
+        # link has reports this interval they are exact and win; the estimate stands in only for
+        # in-flight transfers that report at their end (a transfer slower than predicted makes it
+        # too large, hiding foreign load on that link until the reservation is released)
+        pending = np.where(reported > 0.0, reported, est_delta)
         residual = np.zeros_like(pending)
+        credit = np.zeros_like(pending)
         for src in self.sources:
             for link_id, rate_bps in src.read_rates(dt):
                 if rate_bps is None:
@@ -130,9 +183,11 @@ class NodeAgent:
                     seen = rate_bps * dt
                     mine = min(seen, pending[link_id])
                     residual[link_id] = min(pending[link_id] - mine, own_delta[link_id])
+                    credit[link_id] = max(mine - reported[link_id], 0.0)
                     rate_bps = (seen - mine) / dt
                 sampled[link_id] = max(sampled[link_id], rate_bps / self._cap_bps[link_id])
         self._own_residual = residual
+        self._est_credit = credit
         with self._lock:
             mask = sampled >= 0
             self._sampled[mask] = np.minimum(sampled[mask], 1.0)
@@ -198,7 +253,8 @@ class NodeAgent:
                 for l in links:
                     self._fb_q[l] = self._decayed(self._fb_q[l], self._fb_t[l], now) * 0.5 + per * 0.5
                     self._fb_t[l] = now
-            avail = [max(self._cap_bps[l] * (1.0 - self.util[l]), self._cap_bps[l] * 0.01) for l in links]
+            # our own reservations (this leg's included) are not foreign load: judge on the rest
+            avail = [max(self._cap_bps[l] * (1.0 - self._base[l]), self._cap_bps[l] * 0.01) for l in links]
             bott = links[int(np.argmin(avail))]
             fixed_s = sum(self.topology.links[l].latency_us for l in links) * 1e-6
             fixed_s += relays * (min(nbytes, self.relay_chunk_bytes) / min(avail) + RELAY_OVERHEAD_US * 1e-6)
@@ -214,11 +270,88 @@ class NodeAgent:
             self._refresh_locked(now)
         return gbps
 
-    def report_decision(self, decision, seconds_per_subpath: Sequence[float], queue_delay_us: float = 0.0):
-        """Feedback for every leg of a PathDecision (split legs report separately)."""
+    def report_decision(self, decision, seconds_per_subpath: Sequence[float], queue_delay_us: float = 0.0,
+                        tokens: Optional[Sequence[int]] = None):
+        """Feedback for every leg of a PathDecision (split legs report separately); `tokens` (from
+        reserve_decision) are released first."""
+        if tokens:
+            self.release(tokens)
         for sub, secs in zip(decision.subpaths, seconds_per_subpath):
             relays = 0 if sub.type.value == "Direct" else 1
             self.report_transfer(sub.links, sub.nbytes, secs, queue_delay_us, relays=relays)
+
+    # ----------------------------------------------------------------- in-flight reservations
+    def reserve(self, links: Iterable[int], nbytes: int, seconds: Optional[float] = None) -> int:
+        """Count `nbytes` of our own transfer, about to run over `links` for about `seconds`
+        (predicted), as in flight: until release(token), every link of the leg shows
+        `nbytes / seconds / capacity` more utilisation (scaled by the predicted fraction still to
+        go, at least RESERVE_FLOOR; all reservations of a link together capped at reserve_cap).
+        Without `seconds` the leg is assumed to run at its narrowest link's line rate. Returns a
+        token for release(); 0 (a no-op token) when there is nothing to reserve."""
+        links = np.unique(np.asarray(list(links), dtype=np.int64))
+        if nbytes <= 0 or len(links) == 0:
+            return 0
+        if len(links) and (links[0] < 0 or links[-1] >= len(self.util)):
+            raise ValueError(f"NodeAgent.reserve: link ids {links.tolist()} out of range")
+        cap = self._cap_bps[links]
+        if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+            seconds = nbytes / float(cap.min())
+        rate = float(nbytes) / float(seconds)
+        frac = np.minimum(rate / cap, 1.0)
+        with self._lock:
+            now = time.monotonic()
+            self._integrate_locked(now)
+            tok = next(self._res_tokens)
+            expire = now + max(RESERVE_EXPIRY_FACTOR * seconds, self.reserve_timeout_s)
+            self._res[tok] = _Reservation(links, frac, np.minimum(rate, cap), now, float(seconds), expire)
+            self._res_rate[links] += np.minimum(rate, cap)
+            self.reservations_made += 1
+            self._refresh_locked(now)
+        return tok
+
+    def reserve_decision(self, decision) -> Tuple[int, ...]:
+        """reserve() every leg of a PathDecision, each for the decision's estimated time (split
+        legs are sized to finish together). One token per subpath, in order; a leg that cannot be
+        reserved gets 0. Never raises: routing must not fail because of bookkeeping."""
+        try:
+            subs = decision.subpaths
+            est = float(decision.estimated_time_us) * 1e-6
+        except Exception:  # noqa: BLE001
+            logger.debug("NodeAgent.reserve_decision: not a decision: %r", decision)
+            return ()
+        out = []
+        for sub in subs:
+            try:
+                out.append(self.reserve(sub.links, int(sub.nbytes), est))
+            except Exception as e:  # noqa: BLE001
+                logger.debug("NodeAgent.reserve_decision: %r", e)
+                out.append(0)
+        return tuple(out)
+
+    def release(self, tokens) -> None:
+        """End reservations: a token, or an iterable of tokens (0, None and unknown or already
+        released tokens are ignored, so releasing twice is harmless)."""
+        if tokens is None:
+            return
+        toks = [tokens] if isinstance(tokens, (int, np.integer)) else list(tokens)
+        with self._lock:
+            now = time.monotonic()
+            self._integrate_locked(now)
+            changed = False
+            for tok in toks:
+                r = self._res.pop(tok, None) if tok else None
+                if r is not None:
+                    self._res_rate[r.links] -= r.rate_bps
+                    changed = True
+            if changed:
+                if not self._res:
+                    self._res_rate[:] = 0.0  # no float residue once nothing is held
+                self._refresh_locked(now)
+
+    @property
+    def in_flight(self) -> int:
+        """Reservations currently held."""
+        return len(self._res)
 
     # ----------------------------------------------------------------- internals
     def _decayed(self, value: float, t: float, now: float) -> float:
@@ -226,11 +359,41 @@ class NodeAgent:
             return 0.0
         return value * 0.5 ** ((now - t) / self.feedback_half_life_s)
 
+    def _integrate_locked(self, now: float) -> None:
+        """Advance the estimate of own bytes on each link (held reservations' rates x time)."""
+        if self._res_t is not None and now > self._res_t and self._res:
+            self._res_bytes += self._res_rate * (now - self._res_t)
+        self._res_t = now
+
+    def _reserved_locked(self, now: float) -> np.ndarray:
+        res = np.zeros(len(self.util))
+        if not self._res:
+            return res
+        expired = []
+        for tok, r in self._res.items():
+            if now >= r.expire:
+                expired.append(tok)
+                continue
+            left = 1.0 - (now - r.t0) / r.dur
+            res[r.links] += r.frac * min(1.0, max(left, RESERVE_FLOOR))
+        for tok in expired:  # never released: a caller died or forgot; stop counting it
+            r = self._res.pop(tok)
+            self._res_rate[r.links] -= r.rate_bps
+            logger.debug("NodeAgent: reservation %d expired unreleased", tok)
+        if not self._res:
+            self._res_rate[:] = 0.0
+        return np.minimum(res, self.reserve_cap)
+
     def _refresh_locked(self, now: float) -> None:
         age = np.maximum(now - self._fb_t, 0.0)
         decay = np.power(0.5, age / self.feedback_half_life_s)
         eff = np.maximum(np.maximum(self._sampled, self._mock), self._fb_util * decay)
-        self.util[:] = eff  # in place: the selector holds views of these arrays
+        self._base[:] = eff
+        self._integrate_locked(now)
+        res = self._reserved_locked(now)
+        self.reserved[:] = res
+        # in place: the selector holds views of these arrays
+        self.util[:] = np.minimum(eff + res, 1.0) if self._res else eff
         self.qdelay_us[:] = self._fb_q * decay
 
     def refresh(self) -> None:
@@ -241,5 +404,6 @@ class NodeAgent:
     def snapshot(self) -> dict:
         t = self.topology
         return {f"{l.a}-{l.b}#{l.id}": {"util": round(float(self.util[l.id]), 4),
+                                         "reserved": round(float(self.reserved[l.id]), 4),
                                          "queue_delay_us": round(float(self.qdelay_us[l.id]), 2)}
                 for l in t.links}

@@ -127,6 +127,9 @@ class Plan:
     subs: List[SubPlan]
     est_us: float = float("nan")
     reason: str = ""
+    #: per sub-plan, the NodeAgent reservation token of the adaptive policy (released by the
+    #: monitor when that leg drains); empty for other policies
+    tokens: Tuple[int, ...] = ()
 
 
 @dataclass

@@ -10,6 +10,11 @@
   `report_progress()` at every sampling tick (what a chunked executor does per chunk), so a
   transfer longer than the sampling interval is never counted as foreign load; the completion
   report then passes `progress_reported=True`.
+- reservations: with `reserve=True` (default) the adaptive policy reserves every leg of its
+  decision on the agent (`NodeAgent.reserve_decision`) and the leg's token is released when its
+  last byte leaves (`on_drain`), so a transfer arriving while an earlier one still fills its links
+  sees them as partly busy; the agent also uses the reservations to estimate our in-flight bytes
+  on the sampled counters.
 - observed links: all, only those with a hardware counter attribute, or an explicit list of link
   ids (e.g. the two sysfs interfaces a NodeAgent inside one network namespace can read).
 - staleness: decisions see the average of the last completed interval (plus `lag_intervals`
@@ -80,7 +85,7 @@ class SimMonitor:
 
     def __init__(self, topo, sample_interval_ms: float = 100.0, mode: str = "counters", observe: str = "all",
                  feedback: bool = True, feedback_half_life_ms: float = 500.0, lag_intervals: int = 0,
-                 phase_ms: float = 0.0, progress: bool = False):
+                 phase_ms: float = 0.0, progress: bool = False, reserve: bool = True):
         if mode not in ("counters", "background"):
             raise ValueError(f"SimMonitor: mode must be 'counters' or 'background', got {mode!r}")
         if isinstance(observe, str) and observe not in ("all", "counters"):
@@ -89,6 +94,7 @@ class SimMonitor:
         self.interval_s = sample_interval_ms / 1000.0
         self.mode, self.observe, self.feedback = mode, observe, feedback
         self.progress = bool(progress)
+        self.reserve_inflight = bool(reserve)
         self.lag = int(lag_intervals)
         # links with a hardware counter in the topology (NVML / sysfs); the rest: feedback only
         if observe == "all":
@@ -137,9 +143,27 @@ class SimMonitor:
         self.samples += 1
         self.next_tick = sim.t + self.interval_s
 
+    def reserve(self, decision):
+        """Reserve a decision's legs on the agent (in simulated time); the tokens, one per leg."""
+        if not self.reserve_inflight or self._sim is None:
+            return ()
+        with sim_clock(self._sim):
+            return self.agent.reserve_decision(decision)
+
+    def _release(self, key) -> None:
+        if key is None or self._sim is None:
+            return
+        rec = self._sim.transfers.get(key[0])
+        toks = rec.plan.tokens if rec is not None else ()
+        if key[1] < len(toks) and toks[key[1]]:
+            with sim_clock(self._sim):
+                self.agent.release(toks[key[1]])
+
     def on_drain(self, flow) -> None:
-        """A KV sub-flow's last byte left: with `progress`, its bytes not yet reported are reported
-        now (its completion follows after the path latency and any relay pipeline fill)."""
+        """A KV sub-flow's last byte left: its reservation is released (the links are free); with
+        `progress`, its bytes not yet reported are reported now (its completion follows after the
+        path latency and any relay pipeline fill)."""
+        self._release((flow.tid, flow.sub))
         if self.progress:
             key = (flow.tid, flow.sub)
             delta = flow.nbytes - self._progress_bytes.get(key, 0.0)
@@ -162,6 +186,7 @@ class SimMonitor:
     def report(self, links, nbytes: int, seconds: float, relays: int = 0, key=None) -> None:
         if self._sim is None:
             return
+        self._release(key)  # normally already released at drain; harmless twice
         with sim_clock(self._sim):
             if self.progress:  # own-byte accounting: the part not yet reported at a tick
                 done = self._progress_bytes.pop(key, 0.0)

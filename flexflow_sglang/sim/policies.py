@@ -2,7 +2,8 @@
 
 - `SelectorPolicy(selector, "direct")`: `PathSelector.always_direct` (the route a plain transport takes);
 - `SelectorPolicy(selector, "adaptive")`: the real `PathSelector.select`, deciding from its NodeAgent's
-  view (sampled counters + feedback), split shares executed as concurrent sub-flows;
+  view (sampled counters + feedback + its own in-flight transfers, reserved on the agent), split
+  shares executed as concurrent sub-flows;
 - `OraclePolicy`: hindsight per transfer: every candidate path, and 2-way splits of each of the
   `top_k` best candidates with its `partners` best link-disjoint partners, are simulated forward from the current state (with the real future background,
   in-flight transfers included) and the fastest is taken; QoS-aware by default (the fastest among
@@ -55,7 +56,10 @@ class SelectorPolicy:
         d = self.selector.select(req) if self.mode == "adaptive" else self.selector.always_direct(req)
         self.decisions.append(d)
         pb = [(self._index.lookup(req.src, req.dst, sp.links), sp.nbytes) for sp in d.subpaths]
-        return plan_from_paths(d.chosen_type.value, pb, d.estimated_time_us, str(d.reason_code))
+        plan = plan_from_paths(d.chosen_type.value, pb, d.estimated_time_us, str(d.reason_code))
+        if self.mode == "adaptive" and self.monitor is not None and hasattr(self.monitor, "reserve"):
+            plan.tokens = tuple(self.monitor.reserve(d))  # released by the monitor as legs drain
+        return plan
 
 
 class OraclePolicy:

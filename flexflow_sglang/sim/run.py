@@ -78,6 +78,8 @@ def parse_args(argv=None):
     ap.add_argument("--sample-interval-ms", type=float, default=100.0)
     ap.add_argument("--lag-intervals", type=int, default=0, help="extra monitor reporting delay, in intervals")
     ap.add_argument("--no-feedback", action="store_true", help="do not report completed transfers to the agent")
+    ap.add_argument("--no-reserve", action="store_true",
+                    help="the adaptive policy does not reserve its in-flight transfers on the agent (ablation)")
     ap.add_argument("--relay-chunk-kib", type=int, default=4096,
                     help="store-and-forward pipeline chunk of a relay in the simulated network (the selector's "
                          "model assumes 4096)")
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown load {l!r}; choose from {', '.join(LOADS + EXTRA_LOADS)}")
     n = a.transfers or (6 if a.quick else 12)
     mon = MonitorSettings(sample_interval_ms=a.sample_interval_ms, mode=a.monitor_mode, observe=a.observe,
-                          feedback=not a.no_feedback, lag_intervals=a.lag_intervals)
+                          feedback=not a.no_feedback, lag_intervals=a.lag_intervals, reserve=not a.no_reserve)
     scenarios = build_scenarios(machines, loads, payloads, n, a.seed, a.gap_ms)
     t0 = time.time()
     params = SimParams(relay_chunk_bytes=a.relay_chunk_kib << 10, relay_overhead_us=a.relay_overhead_us)

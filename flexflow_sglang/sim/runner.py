@@ -33,6 +33,7 @@ class MonitorSettings:
     feedback: bool = True
     feedback_half_life_ms: float = 500.0
     lag_intervals: int = 0
+    reserve: bool = True  # the adaptive policy reserves its in-flight legs on the agent
 
 
 def _topology_cache():
@@ -65,7 +66,7 @@ def run_policy(scn: Scenario, policy: str, base_cfg: Optional[SelectorConfig] = 
     if kind == "adaptive":
         phase = float(scn.rng("monitor").uniform(0, ms.sample_interval_ms))
         mon = SimMonitor(topo, ms.sample_interval_ms, ms.mode, ms.observe, ms.feedback,
-                         ms.feedback_half_life_ms, ms.lag_intervals, phase_ms=phase)
+                         ms.feedback_half_life_ms, ms.lag_intervals, phase_ms=phase, reserve=ms.reserve)
         selector = PathSelector(topo, mon.agent, cfg)
         pol = SelectorPolicy(selector, "adaptive", mon)
     elif kind == "direct":

@@ -24,7 +24,9 @@ to the selector's NodeAgent: `report_transfer(leg links, bytes, seconds, relays=
 "cold" legs (first contact: connection, NIXL metadata/endpoint, the relay's own first connection to
 the owner), whose time is mostly setup and would read as a congested link. Every transfer's bytes
 go to `report_progress` when it is posted, so the sampled link counters (which see our traffic
-before the leg ends) do not take our own bytes for foreign load.
+before the leg ends) do not take our own bytes for foreign load. From planning until the call
+returns, every leg is reserved on the NodeAgent (`reserve`, for the decision's estimated time), so
+a concurrent get/put sees those links as partly busy; a failed reservation never fails the call.
 """
 from __future__ import annotations
 
@@ -129,7 +131,29 @@ class Router:
                     return pid
         return None
 
-    def plan(self, op: str, groups: Dict[int, List[int]], P: int) -> List[Leg]:
+    def _reserve(self, legs: List[Leg], est: Dict[int, float], P: int, tokens: list) -> None:
+        """Reserve each planned leg on the agent (tokens appended to `tokens`); never raises."""
+        if self.agent is None:
+            return
+        for leg in legs:
+            try:
+                if leg.links and leg.rows:
+                    tokens.append(self.agent.reserve(leg.links, len(leg.rows) * P, est.get(id(leg))))
+            except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a transfer
+                log.debug("reserve: %r", e)
+
+    def _release(self, tokens: list) -> None:
+        if self.agent is None or not tokens:
+            return
+        try:
+            self.agent.release(tokens)
+        except Exception as e:  # noqa: BLE001
+            log.debug("release: %r", e)
+
+    def plan(self, op: str, groups: Dict[int, List[int]], P: int,
+             est: Optional[Dict[int, float]] = None) -> List[Leg]:
+        """The legs of a get/put. `est` (optional) receives id(leg) -> the decision's estimated
+        seconds (for reserve())."""
         from ..selector.types import TransferRequest
         legs: List[Leg] = []
         now = time.monotonic()
@@ -148,6 +172,7 @@ class Router:
                 legs.append(Leg(pid, pid, list(idx), self._direct(src, dst), 0, "Direct", "none", "no decision"))
                 continue
             self.t.c["route_" + {"Direct": "direct", "CrossNodeRelay": "relay", "SplitPath": "split"}.get(chosen, "other")] += 1
+            n_before = len(legs)
             pos = 0
             for sub, cnt in zip(subs, _shares(len(idx), [s.nbytes for s in subs])):
                 if not cnt:
@@ -165,6 +190,13 @@ class Router:
                     note = "" if typ == "Direct" else f"{typ} run as Direct"
                 links = tuple(sub.links) if typ == "Direct" else self._direct(src, dst)
                 legs.append(Leg(pid, pid, rows, links, 0, typ, chosen, note))
+            if est is not None:
+                try:
+                    secs = float(dec.estimated_time_us) * 1e-6
+                except Exception:  # noqa: BLE001
+                    secs = None
+                for leg in legs[n_before:]:
+                    est[id(leg)] = secs
         return legs
 
     # ------------------------------------------------------------------ execution
@@ -190,6 +222,14 @@ class Router:
         return MsgType.PUT, body, blob
 
     def _run(self, op: str, keys: List[bytes], data: np.ndarray, groups: Dict[int, List[int]], P: int) -> int:
+        tokens: list = []
+        try:
+            return self._run_legs(op, keys, data, groups, P, tokens)
+        finally:
+            self._release(tokens)
+
+    def _run_legs(self, op: str, keys: List[bytes], data: np.ndarray, groups: Dict[int, List[int]], P: int,
+                  tokens: list) -> int:
         t = self.t
         n = len(keys)
         m0 = time.monotonic()
@@ -199,7 +239,9 @@ class Router:
                    if p.addr not in self.peer_nodes and p.node is None and p.sock is None and p.up(m0)]
         if unknown:
             t._connect(unknown, P, m0 + timeout)
-        legs = self.plan(op, groups, P)
+        est: Dict[int, float] = {}
+        legs = self.plan(op, groups, P, est)
+        self._reserve(legs, est, P, tokens)
         fresh = {pid for pid, p in enumerate(t._peers) if p.sock is None or p.loaded_gen != t._gen}
         t._connect(sorted({l.via for l in legs}), P, m0 + timeout)
         fb: Dict[int, Leg] = {}  # id(leg) -> its direct fallback leg

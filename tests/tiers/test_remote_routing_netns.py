@@ -222,11 +222,14 @@ def test_relay_put_and_get_through_a_second_server(spawn_server, routed):
     assert t.server_stats(owner.addr)["pages_stored"] == 40
     s = t.stats()
     assert s["relay_pages_read"] == 40 and s["relay_pages_written"] == 40 and s["corrupt_dropped"] == 0
-    # idle again: Direct
+    # idle again: the direct link is used again (since equal-finish split shares, an idle direct
+    # link plus an idle disjoint relay is a SplitPath: direct leg + relay leg)
     agent.clear()
     out = np.zeros_like(pg)
     assert t.get_many_into(ks, out) == 40 and np.array_equal(out, pg)
-    assert [r["type"] for r in t.last_routes] == ["Direct"]
+    types = [r["type"] for r in t.last_routes]
+    assert types[0] == "Direct" and set(types) <= {"Direct", "CrossNodeRelay"}
+    assert {r["decision"] for r in t.last_routes} <= {"Direct", "SplitPath"}
 
 
 class _Stub:

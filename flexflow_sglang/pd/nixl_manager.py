@@ -55,18 +55,24 @@ class RoutedXfer:
 _ENV_LOCK = threading.Lock()
 
 
-def create_rail_backend(agent, dev: str, sysfs_root: str = "/sys") -> None:
+#: worker threads of each rail's UCX backend: what SGLang gives its own prefill agent (several workers
+#: keep a rail's TCP/RDMA lanes busy; one worker left a 1 Gbit/s rail at about half rate in the lab)
+RAIL_THREADS = 8
+
+
+def create_rail_backend(agent, dev: str, sysfs_root: str = "/sys", num_threads: int = RAIL_THREADS) -> None:
     """A UCX backend bound to one device. NIXL's ``device_list`` takes HCA names (it appends the
     port, ``mlx5_0`` -> ``mlx5_0:1``), so it is used for InfiniBand/RoCE devices; Ethernet devices
     go through UCX_NET_DEVICES, which UCX reads once, when the backend's context is created."""
+    params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
     if os.path.isdir(os.path.join(sysfs_root, "class", "infiniband", dev)):
-        agent.create_backend("UCX", {"device_list": dev})
+        agent.create_backend("UCX", dict(params, device_list=dev))
         return
     with _ENV_LOCK:
         saved = os.environ.get("UCX_NET_DEVICES")
         os.environ["UCX_NET_DEVICES"] = dev
         try:
-            agent.create_backend("UCX", {})
+            agent.create_backend("UCX", params)
         finally:
             if saved is None:
                 os.environ.pop("UCX_NET_DEVICES", None)
@@ -165,7 +171,7 @@ def flexflow_nixl_manager_class():
             for i, dev in enumerate(cfg.rails):
                 try:
                     agent = nixl_agent(f"{self.__dict__['_ff_primary_agent'].name}-ff{i}-{uuid.uuid4().hex[:6]}",
-                                       nixl_agent_config(backends=[], num_threads=0,
+                                       nixl_agent_config(backends=[], num_threads=RAIL_THREADS,
                                                          sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
                     create_rail_backend(agent, dev, full.monitor.sysfs_root)
                     if not agent.register_memory(kv_addrs, mem_kind):

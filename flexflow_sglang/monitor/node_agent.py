@@ -10,7 +10,7 @@ Per link, `util = min(1, max(sampled, mock, decayed feedback) + reserved)`:
   `reserve_decision()` when a decision is executed, `release()` when a leg ends or fails). Each leg
   adds `leg bytes / predicted leg time / link capacity` on every link it crosses, scaled by the
   predicted fraction still to go (never below RESERVE_FLOOR while held), the sum per link capped at
-  `reserve_cap`, so a transfer that arrives while the previous one still fills its links sees them
+  `reserve_cap` and never above the link's QoS threshold on its own, so a transfer that arrives while the previous one still fills its links sees them
   as partly busy. The same reservations estimate the bytes our in-flight transfers put on sampled
   counters, so those bytes are not also read as foreign load (no double counting).
 
@@ -94,6 +94,10 @@ class NodeAgent:
         self._res_t: Optional[float] = None
         self._est_credit = np.zeros(n)  # own bytes subtracted on the estimate, not yet reported
         self.reservations_made = 0
+        #: per-link QoS thresholds (a PathSelector built on this agent sets them): our reservations
+        #: never push a link over its threshold on their own (they are not inference traffic, so
+        #: they lower the bandwidth the selector expects but never make it reject a path)
+        self.qos_thresholds: Optional[np.ndarray] = None
         self._lock = threading.Lock()  # serialises writers only; readers never take it
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -390,10 +394,15 @@ class NodeAgent:
         eff = np.maximum(np.maximum(self._sampled, self._mock), self._fb_util * decay)
         self._base[:] = eff
         self._integrate_locked(now)
-        res = self._reserved_locked(now)
-        self.reserved[:] = res
-        # in place: the selector holds views of these arrays
-        self.util[:] = np.minimum(eff + res, 1.0) if self._res else eff
+        if self._res:
+            u = np.minimum(eff + self._reserved_locked(now), 1.0)
+            thr = self.qos_thresholds
+            if thr is not None and len(thr) == len(u):
+                u = np.where(eff <= thr, np.minimum(u, thr), u)
+        else:
+            u = eff
+        self.reserved[:] = u - eff
+        self.util[:] = u  # in place: the selector holds views of these arrays
         self.qdelay_us[:] = self._fb_q * decay
 
     def refresh(self) -> None:

@@ -92,6 +92,11 @@ class PathSelector:
         self._cap = np.array([l.capacity_gbps for l in topology.links], dtype=np.float64)
         self._params = pack_params(self.config)
         self._thr = self._thresholds()
+        # the agent keeps our own in-flight reservations below these (updated in place below)
+        try:
+            agent.qos_thresholds = self._thr
+        except AttributeError:  # a duck-typed agent without reservations
+            pass
         self._tables: Dict[Tuple[str, str], _PairTable] = {}
 
     def _thresholds(self) -> np.ndarray:

@@ -196,3 +196,19 @@ def test_no_double_counting_when_reported_only_at_the_end(clock):
     agent.sample_once()
     assert agent._sampled[lid] == pytest.approx(0.3)
     assert agent.util[lid] == pytest.approx(0.3)
+
+
+def test_reservation_never_makes_a_link_cross_its_qos_threshold(clock):
+    topo = Topology.make_mock_dgx(4, nvlink_gbps=50.0)
+    agent = NodeAgent(topo, source="mock")
+    sel = PathSelector(topo, agent, SelectorConfig())  # hands the agent its QoS thresholds
+    thr = SelectorConfig().nvlink_util_threshold
+    lid = _leg_links(topo, "gpu0", "gpu1")
+    agent.set_utilization("gpu0", "gpu1", 0.5)  # foreign load, under the threshold
+    tok = agent.reserve(lid, 50 * 10 ** 9, 1.0)
+    assert agent.util[lid[0]] == pytest.approx(thr)  # capped: less bandwidth, but not rejected
+    assert not any(rej for p, *_, rej in sel.scores("gpu0", "gpu1", 1 << 20) if p.links == tuple(lid))
+    agent.release(tok)
+    agent.set_utilization("gpu0", "gpu1", 0.9)  # foreign load alone over it: rejected anyway,
+    agent.reserve(lid, 50 * 10 ** 9, 1.0)         # and the reservation still counts for bandwidth
+    assert agent.util[lid[0]] == pytest.approx(1.0)

@@ -55,9 +55,10 @@ class RoutedXfer:
 _ENV_LOCK = threading.Lock()
 
 
-#: worker threads of each rail's UCX backend: what SGLang gives its own prefill agent (several workers
-#: keep a rail's TCP/RDMA lanes busy; one worker left a 1 Gbit/s rail at about half rate in the lab)
-RAIL_THREADS = 8
+#: worker threads of each rail's UCX backend (0: one worker). Rail agents have no NIXL progress thread:
+#: it busy-spins a core per agent even when idle (measured: two idle agents, 199 % CPU of 2 cores;
+#: without it 0 %); SGLang's transfer worker polls the legs (`_await_handles`), which progresses them.
+RAIL_THREADS = int(os.environ.get("FLEXFLOW_PD_RAIL_THREADS", "0"))
 
 
 def create_rail_backend(agent, dev: str, sysfs_root: str = "/sys", num_threads: int = RAIL_THREADS) -> None:
@@ -171,7 +172,7 @@ def flexflow_nixl_manager_class():
             for i, dev in enumerate(cfg.rails):
                 try:
                     agent = nixl_agent(f"{self.__dict__['_ff_primary_agent'].name}-ff{i}-{uuid.uuid4().hex[:6]}",
-                                       nixl_agent_config(backends=[], num_threads=RAIL_THREADS,
+                                       nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=RAIL_THREADS,
                                                          sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
                     create_rail_backend(agent, dev, full.monitor.sysfs_root)
                     if not agent.register_memory(kv_addrs, mem_kind):

@@ -37,7 +37,7 @@ _CLASS_CACHE: dict = {}
 class RoutedXfer:
     """The legs of one routed KV chunk: [(agent, handle, rail, nbytes, t_posted)]."""
 
-    __slots__ = ("legs", "t_done", "failed", "path_type", "t0", "recorded")
+    __slots__ = ("legs", "t_done", "failed", "path_type", "t0", "recorded", "tokens")
 
     def __init__(self, path_type: str, t0: float):
         self.legs: List[Tuple[Any, Any, int, int, float]] = []
@@ -46,10 +46,12 @@ class RoutedXfer:
         self.path_type = path_type
         self.t0 = t0
         self.recorded = False
+        self.tokens: List[int] = []  # NodeAgent reservations, released when each leg ends
 
-    def add(self, agent, handle, rail: int, nbytes: int, t_posted: float) -> None:
+    def add(self, agent, handle, rail: int, nbytes: int, t_posted: float, token: int = 0) -> None:
         self.legs.append((agent, handle, rail, nbytes, t_posted))
         self.t_done.append(None)
+        self.tokens.append(token or 0)
 
 
 _ENV_LOCK = threading.Lock()
@@ -250,10 +252,11 @@ def flexflow_nixl_manager_class():
                 agent = self._ff_rails[rail][1] if rail in usable else None
                 if agent is None:
                     rail = -1
+                token = 0
                 try:
                     tl.agent = agent  # None = SGLang's agent
                     if rail >= 0:
-                        router.report_posted(rail, leg_bytes)
+                        token = router.report_posted(rail, leg_bytes)
                     t_post = time.perf_counter()
                     h = self._send_kvcache_generic(
                         peer_name=peer_name, src_data_ptrs=self.kv_args.kv_data_ptrs, dst_data_ptrs=dst_kv_ptrs,
@@ -261,6 +264,7 @@ def flexflow_nixl_manager_class():
                         dst_data_indices=dst_kv_indices[a:b], dst_gpu_id=dst_gpu_id,
                         src_mem_kind=self.src_mem_kind, dst_mem_kind=dst_mem_kind, bypass_prepped=True)
                 except Exception as e:
+                    router.release(token)
                     if rail < 0 or xfer.legs:
                         raise  # SGLang's own path failed, or legs are in flight: SGLang's failure handling
                     logger.warning("flexflow PD: posting on rail %r failed (%s); chunk goes via SGLang's agent",
@@ -277,7 +281,9 @@ def flexflow_nixl_manager_class():
                     tl.agent = None
                 if h is not None:
                     xfer.add(agent if agent is not None else self.__dict__["_ff_primary_agent"], h, rail,
-                             leg_bytes, t_post)
+                             leg_bytes, t_post, token)
+                else:
+                    router.release(token)
             return xfer if xfer.legs else None
 
         def _ff_state(self, handle) -> Tuple[bool, bool]:
@@ -292,6 +298,8 @@ def flexflow_nixl_manager_class():
                 if st in ("DONE", "ERR"):
                     now = time.perf_counter()
                     handle.t_done[k] = now
+                    if handle.tokens[k] and self._ff_router is not None:
+                        self._ff_router.release(handle.tokens[k])
                     if st == "ERR":
                         handle.failed = True
                     elif rail >= 0 and self._ff_router is not None:

@@ -150,9 +150,22 @@ class RailRouter:
         if nbytes > 0 and seconds > 0:
             self.agent.report_transfer([self._net_link[rail]], int(nbytes), float(seconds))
 
-    def report_posted(self, rail: int, nbytes: int) -> None:
-        """Our bytes are about to hit the rail: the sampled counters must not count them as load."""
-        self.agent.report_progress([self._net_link[rail]], int(nbytes))
+    def report_posted(self, rail: int, nbytes: int) -> int:
+        """Our bytes are about to hit the rail: the sampled counters must not count them as foreign
+        load, and until the leg ends the rail shows them as in flight (a concurrent chunk from another
+        transfer worker sees them). Returns the reservation token for release()."""
+        link = self._net_link[rail]
+        self.agent.report_progress([link], int(nbytes))
+        try:
+            return self.agent.reserve([link], int(nbytes))
+        except Exception:  # bookkeeping must never fail a transfer
+            return 0
+
+    def release(self, token) -> None:
+        try:
+            self.agent.release(token)
+        except Exception:
+            pass
 
     def utilization(self) -> List[float]:
         return [float(self.agent.util[self._net_link[i]]) for i in range(len(self.rails))]

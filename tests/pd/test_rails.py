@@ -85,6 +85,15 @@ def test_feedback_from_slow_legs_moves_traffic():
     assert shares.get(1, 0) > 0.9
 
 
+def test_posted_leg_is_in_flight_until_released():
+    r = _router()
+    before = r.utilization()
+    tok = r.report_posted(0, 64 << 20)
+    assert tok and r.utilization()[0] > before[0] and r.utilization()[1] == before[1]
+    r.release(tok)
+    assert r.utilization()[0] == pytest.approx(before[0])
+
+
 def test_first_rail_policy_is_fixed():
     r = _router(policy="first_rail")
     r.agent.set_link_utilization(r._net_link[0], 0.95)

@@ -31,29 +31,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
+
+from . import nearest_rank
+from .contention.netlab import rate_bps
 
 POLICIES = ("primary", "first_rail", "adaptive")
 UDP_PORT, TCP_PORT = 7100, 7101
 MODEL_ARGS = dict(layers=8, hidden=512, intermediate=512, heads=8, kv_heads=8)  # 16 KiB of KV per token
 WORDS = ("the cache radix tree prefix token server model request page decode prefill transfer rail "
          "link route path node host memory tier load store hit miss").split()
-
-
-def _pct(xs: List[float], q: float) -> Optional[float]:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
-    return xs[k]
-
-
-def _rate_bps(rate: str) -> float:
-    r = rate.lower()
-    for suf, mul in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if r.endswith(suf):
-            return float(r[: -len(suf)]) * mul
-    raise ValueError(f"--rate {rate!r}: use e.g. 500mbit or 1gbit")
 
 
 def make_prompts(n: int, words: int, seed: int) -> List[str]:
@@ -115,9 +102,9 @@ def _ns_server_class():
     return NamespacedServer
 
 
-def _write_cfg(path: str, policy: str, rails: List[str], rate_bps: float) -> str:
+def _write_cfg(path: str, policy: str, rails: List[str], link_bps: float) -> str:
     import yaml
-    cfg = {"pd": {"enabled": True, "policy": policy, "rails": list(rails), "rail_gbps": rate_bps / 8e9},
+    cfg = {"pd": {"enabled": True, "policy": policy, "rails": list(rails), "rail_gbps": link_bps / 8e9},
            "topology": {"source": "mock", "mock": "single"}}
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -134,11 +121,11 @@ def run_inner(args, spec: dict) -> int:
 
     Server = _ns_server_class()
     out_dir = os.path.abspath(args.out)
-    rate_bps = _rate_bps(args.rate)
+    link_bps = rate_bps(args.rate)
     ns = spec["ns"]
     base_env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error",
                 "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    dec_cfg = _write_cfg(os.path.join(out_dir, "decode.yaml"), "primary", [], rate_bps)
+    dec_cfg = _write_cfg(os.path.join(out_dir, "decode.yaml"), "primary", [], link_bps)
     # ports are picked here (namespace c): the servers' namespaces are fresh, nothing else listens there
     decode = Server(ns["d"], spec["model"], os.path.join(out_dir, "decode.log"), host=spec["decode_host"],
                     port=find_free_port(),
@@ -167,7 +154,7 @@ def run_inner(args, spec: dict) -> int:
             if os.path.exists(trace):
                 os.unlink(trace)
             bport = find_free_port()
-            cfg = _write_cfg(os.path.join(out_dir, f"prefill-{policy}.yaml"), policy, spec["rails_p"], rate_bps)
+            cfg = _write_cfg(os.path.join(out_dir, f"prefill-{policy}.yaml"), policy, spec["rails_p"], link_bps)
             prefill = Server(ns["p"], spec["model"], os.path.join(out_dir, f"prefill-{policy}.log"),
                              host=spec["prefill_host"], port=find_free_port(), flexflow_config=cfg,
                              max_total_tokens=args.max_total_tokens,
@@ -185,7 +172,7 @@ def run_inner(args, spec: dict) -> int:
                     pi += 1
                 n_warm = len(load_trace(trace)) if os.path.exists(trace) else 0
                 for load in loads:
-                    bg = _start_background(ns["p"], spec["d_rail0_addr"], load, rate_bps)
+                    bg = _start_background(ns["p"], spec["d_rail0_addr"], load, link_bps)
                     time.sleep(args.settle_s)
                     t_start = time.monotonic()
                     lat, outs = [], []
@@ -204,7 +191,7 @@ def run_inner(args, spec: dict) -> int:
                     n_warm += len(recs)
                     ser = sink_ch.call(op="series", since=t_start - 0.01, trim=True)["series"]
                     results[f"{policy}/{load}"] = _summarise(policy, load, lat, recs, outs, ser, t_start, t_end,
-                                                             rate_bps)
+                                                             link_bps)
             finally:
                 prefill.stop()
         bar.close()
@@ -227,7 +214,7 @@ def run_inner(args, spec: dict) -> int:
     return 0
 
 
-def _start_background(ns: str, dst: str, load: str, rate_bps: float):
+def _start_background(ns: str, dst: str, load: str, link_bps: float):
     m = "flexflow_sglang.bench.contention.traffic"
     if load in ("0", "idle", "none"):
         return None
@@ -235,7 +222,7 @@ def _start_background(ns: str, dst: str, load: str, rate_bps: float):
         flows = int(load[3:] or 1)
         argv = [sys.executable, "-m", m, "tcp", dst, str(TCP_PORT), str(flows)]
     else:
-        argv = [sys.executable, "-m", m, "udp", dst, str(UDP_PORT), str(float(load) / 100.0 * rate_bps)]
+        argv = [sys.executable, "-m", m, "udp", dst, str(UDP_PORT), str(float(load) / 100.0 * link_bps)]
     return subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
 
@@ -250,7 +237,7 @@ def _stop(p) -> None:
         p.kill()
 
 
-def _summarise(policy, load, lat, recs, prompt_tokens, series, t0, t1, rate_bps) -> dict:
+def _summarise(policy, load, lat, recs, prompt_tokens, series, t0, t1, link_bps) -> dict:
     secs = [r["seconds"] for r in recs if r["ok"]]
     per_req_bytes = [r["bytes"] for r in recs if r["ok"]]
     paths: Dict[str, int] = {}
@@ -267,14 +254,14 @@ def _summarise(policy, load, lat, recs, prompt_tokens, series, t0, t1, rate_bps)
         bg_mbps = ((pts[-1][1] - pts[0][1]) + (pts[-1][2] - pts[0][2])) * 8 / dt / 1e6
     return {"policy": policy, "load": load, "requests": len(lat), "chunks": len(recs),
             "failed_chunks": sum(1 for r in recs if not r["ok"]),
-            "e2e_p50_s": _pct(lat, 0.5), "e2e_p99_s": _pct(lat, 0.99),
-            "xfer_p50_s": _pct(secs, 0.5), "xfer_p99_s": _pct(secs, 0.99),
+            "e2e_p50_s": nearest_rank(lat, 0.5), "e2e_p99_s": nearest_rank(lat, 0.99),
+            "xfer_p50_s": nearest_rank(secs, 0.5), "xfer_p99_s": nearest_rank(secs, 0.99),
             "xfer_mean_s": statistics.fmean(secs) if secs else None,
             "kv_bytes_mean": statistics.fmean(per_req_bytes) if per_req_bytes else None,
             "prompt_tokens_mean": statistics.fmean([t for t in prompt_tokens if t]) if any(prompt_tokens) else None,
             "paths": paths, "rail_bytes": rail_bytes, "background_mbps": bg_mbps,
             "background_offered_mbps": (None if load in ("0", "idle") or load.startswith("tcp")
-                                        else float(load) / 100 * rate_bps / 1e6)}
+                                        else float(load) / 100 * link_bps / 1e6)}
 
 
 def _ratios(results: dict, policies, loads) -> dict:
@@ -363,7 +350,7 @@ def main(argv=None) -> int:
     if bad:
         print(f"flexflow bench pd: --policies {bad}: choose from {list(POLICIES)}", file=sys.stderr)
         return 2
-    _rate_bps(args.rate)
+    rate_bps(args.rate)
     if args.inner:
         args.passthrough = [a for i, a in enumerate(argv) if a != "--inner" and (i == 0 or argv[i - 1] != "--inner")]
         with open(args.inner) as f:

@@ -22,6 +22,8 @@ from typing import Dict, List, Optional
 import requests
 from tqdm import tqdm
 
+from . import nearest_rank
+
 WORDS = ("the cache radix tree prefix token server model request page block evict hit miss node key value "
          "batch decode prefill alpha beta gamma delta one two three four five").split()
 
@@ -65,8 +67,7 @@ def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float = 6
 
 
 def _pct(xs: List[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+    return nearest_rank(xs, q, empty=float("nan"))
 
 
 def run_pass(url: str, reqs: List[dict], max_new_tokens: int, concurrency: int, desc: str) -> dict:

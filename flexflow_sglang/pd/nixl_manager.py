@@ -159,10 +159,10 @@ def flexflow_nixl_manager_class():
         def _ff_setup_rails(self, cfg) -> None:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
-            from ..config import load_config
             from .rails import RailRouter
+            from .settings import flexflow_settings
 
-            full = load_config()
+            full = flexflow_settings()
             kv_addrs = [(ptr, ln, 0 if kind == "DRAM" else self.kv_args.gpu_id, "")
                         for ptr, ln, kind in zip(self.kv_args.kv_data_ptrs, self.kv_args.kv_data_lens,
                                                  self.kv_args.kv_data_mem_kinds)]
@@ -230,6 +230,17 @@ def flexflow_nixl_manager_class():
             t0 = time.perf_counter()
             router = self._ff_router
             usable = [i for i, peers in enumerate(self._ff_rail_peers) if peer_name in peers]
+
+            def via_sglang():
+                """The whole chunk on SGLang's own agent, still timed as one (rail -1) leg."""
+                h = super(FlexFlowNixlKVManager, self).send_kvcache(
+                    peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, dst_gpu_id, dst_mem_kind)
+                if h is None:
+                    return None
+                xfer = RoutedXfer("sglang", t0)
+                xfer.add(self.__dict__["_ff_primary_agent"], h, -1, nbytes, t0)
+                return xfer
+
             plan = None
             if router is not None and usable:
                 try:
@@ -237,13 +248,7 @@ def flexflow_nixl_manager_class():
                 except Exception:  # routing must never fail a transfer: SGLang's own path remains
                     logger.exception("flexflow PD: rail planning failed; chunk goes via SGLang's agent")
             if plan is None:
-                xfer = RoutedXfer("sglang", t0)
-                h = super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                                         dst_gpu_id, dst_mem_kind)
-                if h is None:
-                    return None
-                xfer.add(self.__dict__["_ff_primary_agent"], h, -1, nbytes, t0)
-                return xfer
+                return via_sglang()
             from .rails import split_by_shares
             xfer = RoutedXfer(plan.path_type, t0)
             tl = self.__dict__["_ff_tls"]
@@ -270,13 +275,7 @@ def flexflow_nixl_manager_class():
                     logger.warning("flexflow PD: posting on rail %r failed (%s); chunk goes via SGLang's agent",
                                    self._ff_rails[rail][0], e)
                     tl.agent = None
-                    fallback = RoutedXfer("sglang", t0)
-                    h = super().send_kvcache(peer_name, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices,
-                                             dst_gpu_id, dst_mem_kind)
-                    if h is None:
-                        return None
-                    fallback.add(self.__dict__["_ff_primary_agent"], h, -1, nbytes, t0)
-                    return fallback
+                    return via_sglang()
                 finally:
                     tl.agent = None
                 if h is not None:

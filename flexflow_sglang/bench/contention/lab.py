@@ -18,7 +18,7 @@ import time
 from typing import List, Optional
 
 from .channel import ChannelError, ParentChannel
-from .netlab import NetLab
+from .netlab import NetLab, rate_bps
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class ContentionLab:
         if kind == "udp":
             if pct <= 0:
                 return
-            argv = [sys.executable, "-m", m, "udp", self.dst_direct, str(UDP_PORT), str(pct * self._rate_bps()), *delay]
+            argv = [sys.executable, "-m", m, "udp", self.dst_direct, str(UDP_PORT), str(pct * rate_bps(self.rate)), *delay]
             self.bg_desc = f"udp {pct:.0%}"
         elif kind == "tcp":
             argv = [sys.executable, "-m", m, "tcp", self.dst_direct, str(TCP_PORT), str(flows), *delay]
@@ -199,13 +199,6 @@ class ContentionLab:
             self.net.kill(p, timeout=2.0)
         self.bg = []
         self.bg_desc = "none"
-
-    def _rate_bps(self) -> float:
-        r = self.rate.lower()
-        for suf, mul in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-            if r.endswith(suf):
-                return float(r[: -len(suf)]) * mul
-        raise ValueError(f"cannot parse rate {self.rate!r}")
 
     def series(self, since: float) -> dict:
         """Background bytes delivered at n2: {'series': [[t, udp_cum, tcp_cum], ...]} (on-wire for UDP)."""

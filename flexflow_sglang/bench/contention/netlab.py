@@ -40,6 +40,15 @@ class NetLabError(RuntimeError):
     pass
 
 
+def rate_bps(rate: str) -> float:
+    """A tc rate ("500mbit", "1gbit", "800kbit") in bits per second."""
+    r = rate.lower()
+    for suf, mul in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if r.endswith(suf):
+            return float(r[: -len(suf)]) * mul
+    raise ValueError(f"cannot parse rate {rate!r}: use e.g. 500mbit or 1gbit")
+
+
 def _run(argv: Sequence[str], check: bool = True, quiet: bool = False) -> subprocess.CompletedProcess:
     p = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if check and p.returncode != 0:
@@ -199,9 +208,15 @@ class NetLab:
         key = frozenset((a, b))
         if key in self.links:
             raise NetLabError(f"link {a}-{b} exists")
+        k, addrs = self._veth(a, b, self.dev(a, b), self.dev(b, a))
+        self.links[key] = {"k": k, "addr": addrs, "rate": None}
+        if rate:
+            self.set_rate(a, b, rate)
+
+    def _veth(self, a: str, b: str, da: str, db: str) -> Tuple[int, Dict[str, str]]:
+        """veth pair da (in a) <-> db (in b) on the next free /24 (10.77.<k>.0); returns (k, addrs)."""
         self._subnets += 1
         k = self._subnets
-        da, db = self.dev(a, b), self.dev(b, a)
         _run(["ip", "link", "add", da, "netns", self.ns(a), "type", "veth", "peer", "name", db,
               "netns", self.ns(b)])
         addrs = {a: f"10.77.{k}.1", b: f"10.77.{k}.2"}
@@ -209,9 +224,7 @@ class NetLab:
             _run(["ip", "-n", self.ns(node), "addr", "add", f"{addrs[node]}/24", "dev", dev])
             _run(["ip", "-n", self.ns(node), "link", "set", dev, "mtu", str(self.mtu)])
             _run(["ip", "-n", self.ns(node), "link", "set", dev, "up"])
-        self.links[key] = {"k": k, "addr": addrs, "rate": None}
-        if rate:
-            self.set_rate(a, b, rate)
+        return k, addrs
 
     def add_lane(self, a: str, b: str, rate: Optional[str] = "1gbit") -> int:
         """Another veth pair between a and b (a parallel rail: two NICs between the same hosts),
@@ -220,16 +233,7 @@ class NetLab:
         if key not in self.links:
             raise NetLabError(f"add_lane {a}-{b}: create the link first")
         lane = 1 + sum(1 for (k, _) in self.lanes if k == key)
-        self._subnets += 1
-        k = self._subnets
-        da, db = self.lane_dev(a, b, lane), self.lane_dev(b, a, lane)
-        _run(["ip", "link", "add", da, "netns", self.ns(a), "type", "veth", "peer", "name", db,
-              "netns", self.ns(b)])
-        addrs = {a: f"10.77.{k}.1", b: f"10.77.{k}.2"}
-        for node, dev in ((a, da), (b, db)):
-            _run(["ip", "-n", self.ns(node), "addr", "add", f"{addrs[node]}/24", "dev", dev])
-            _run(["ip", "-n", self.ns(node), "link", "set", dev, "mtu", str(self.mtu)])
-            _run(["ip", "-n", self.ns(node), "link", "set", dev, "up"])
+        k, addrs = self._veth(a, b, self.lane_dev(a, b, lane), self.lane_dev(b, a, lane))
         self.lanes[(key, lane)] = {"k": k, "addr": addrs, "rate": None}
         if rate:
             for x, y in ((a, b), (b, a)):

@@ -58,8 +58,9 @@ _ENV_LOCK = threading.Lock()
 
 
 #: worker threads of each rail's UCX backend (0: one worker). Rail agents have no NIXL progress thread:
-#: it busy-spins a core per agent even when idle (measured: two idle agents, 199 % CPU of 2 cores;
-#: without it 0 %); SGLang's transfer worker polls the legs (`_await_handles`), which progresses them.
+#: it busy-spins a core per agent even when idle (shared notes: nixl-nvml-cython.md), which starved the
+#: prefill forward on small hosts; SGLang's transfer worker polls the legs (`_await_handles`), which
+#: progresses them.
 RAIL_THREADS = int(os.environ.get("FLEXFLOW_PD_RAIL_THREADS", "0"))
 
 

@@ -31,11 +31,11 @@ from flexflow_sglang.sim.scenarios import LOADS, PAYLOADS_MIB, Scenario
 GRID = {
     "w_bandwidth": [0.25, 0.5, 1.0, 2.0, 4.0],
     "w_latency": [0.0, 0.25, 0.5, 1.0, 2.0],
-    "w_hops": [0.0, 0.1, 0.2, 0.5, 1.0],
+    "w_hops": [0.0, 0.05, 0.1, 0.15, 0.2, 0.5, 1.0],
     "w_qos_risk": [0.0, 0.15, 0.3, 0.6, 1.0, 2.0],
     "w_queue_delay": [0.0, 0.5, 1.0],
     "relay_benefit_margin": [0.0, 0.05, 0.1, 0.2, 0.4],
-    "split_benefit_margin": [0.0, 0.05, 0.15, 0.3, 0.5],
+    "split_benefit_margin": [0.0, 0.05, 0.1, 0.15, 0.3, 0.5],
 }
 MACHINES = ("dgx-a100", "dgx8", "nvswitch8", "cluster2x8x1", "cluster2x8x4", "cluster4x8x8")
 QUICK_MACHINES = ("dgx-a100", "dgx8", "cluster2x8x4")

@@ -69,7 +69,7 @@ cdef class PairCore:
 
     cdef void _score(self, double nbytes, bint ttft) noexcept nogil:
         cdef int p, k, l, worst
-        cdef double bw, a, fl, u, r, risk, q, worst_ex, ex, t_x, t_l, hopf, wl, chunk
+        cdef double bw, a, fl, u, r, risk, q, worst_ex, ex, t_x, t_f, t_l, hopf, wl, chunk
         cdef double w_bw = self.params[P_W_BW], w_q = self.params[P_W_Q], w_hops = self.params[P_W_HOPS]
         cdef double w_qos = self.params[P_W_QOS], w_lat = self.params[P_W_LAT]
         cdef double relay_chunk = self.params[P_RELAY_CHUNK], relay_ovh = self.params[P_RELAY_OVERHEAD_US]
@@ -109,6 +109,8 @@ cdef class PairCore:
             if risk > 1.0:
                 risk = 1.0
             t_x = nbytes / (bw * 1000.0)
+            # per relay one pipeline chunk at the path's bandwidth (bytes moving: costed like t_x)
+            t_f = self.nrelay[p] * (chunk / (bw * 1000.0))
             t_l = self.fixed_lat[p] + self.nrelay[p] * (chunk / (bw * 1000.0) + relay_ovh)
             self.s_bw[p] = bw
             self.s_tl[p] = t_l
@@ -116,7 +118,8 @@ cdef class PairCore:
             self.s_risk[p] = risk
             self.s_worst[p] = worst
             self.s_est[p] = t_x + t_l + q
-            self.s_cost[p] = (w_bw * t_x + wl * t_l + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
+            self.s_cost[p] = (w_bw * (t_x + t_f) + wl * (self.fixed_lat[p] + self.nrelay[p] * relay_ovh)
+                              + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
                 * (1.0 + w_qos * risk)
 
     cdef double _leg_bytes(self, int i, double t, double chunk) noexcept nogil:
@@ -192,7 +195,8 @@ cdef class PairCore:
                 return -1.0
             self.s_sh[i] = sh
             c = sh if sh < chunk else chunk
-            leg = (w_bw * (sh / self.s_lb[i]) + wl * (self.fixed_lat[p] + self.s_lr[i] * (c / self.s_lb[i] + relay_ovh))
+            leg = (w_bw * (sh / self.s_lb[i] + self.s_lr[i] * (c / self.s_lb[i]))
+                   + wl * (self.fixed_lat[p] + self.s_lr[i] * relay_ovh)
                    + w_q * self.s_q[p]) * (1.0 + w_hops * self.extra_hops[p] * hopf)
             acc = acc + sh * leg
         return acc / nbytes * (1.0 + self.params[P_W_QOS] * risk)

@@ -105,6 +105,8 @@ class PairCore:
             if risk > 1.0:
                 risk = 1.0
             t_x = nbytes / (bw * 1000.0)
+            # per relay one pipeline chunk at the path's bandwidth (bytes moving: costed like t_x)
+            t_f = self.nrelay[p] * (chunk / (bw * 1000.0))
             t_l = self.fixed_lat[p] + self.nrelay[p] * (chunk / (bw * 1000.0) + relay_ovh)
             self.s_bw[p] = bw
             self.s_tl[p] = t_l
@@ -112,7 +114,8 @@ class PairCore:
             self.s_risk[p] = risk
             self.s_worst[p] = worst
             self.s_est[p] = t_x + t_l + q
-            self.s_cost[p] = (w_bw * t_x + wl * t_l + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
+            self.s_cost[p] = (w_bw * (t_x + t_f) + wl * (self.fixed_lat[p] + self.nrelay[p] * relay_ovh)
+                              + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
                 * (1.0 + w_qos * risk)
 
     def _leg_bytes(self, i, t, chunk):
@@ -184,7 +187,7 @@ class PairCore:
                 return -1.0, t_end, bws
             self.s_sh[i] = sh
             c = sh if sh < chunk else chunk
-            leg = (w_bw * (sh / lb[i]) + wl * (self.fixed_lat[p] + lr[i] * (c / lb[i] + relay_ovh))
+            leg = (w_bw * (sh / lb[i] + lr[i] * (c / lb[i])) + wl * (self.fixed_lat[p] + lr[i] * relay_ovh)
                    + w_q * self.s_q[p]) * (1.0 + w_hops * self.extra_hops[p] * hopf)
             acc = acc + sh * leg
         cost = acc / nbytes * (1.0 + float(params[P_W_QOS]) * risk)

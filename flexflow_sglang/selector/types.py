@@ -14,7 +14,7 @@ class SelectorConfig:
     thresholds are link utilisations in (0, 1]; margins are relative gains (0.10 = 10 %)."""
     w_bandwidth: float = 1.0
     w_queue_delay: float = 0.5
-    w_hops: float = 0.2
+    w_hops: float = 0.05
     w_qos_risk: float = 0.3
     w_latency: float = 0.5
     nvlink_util_threshold: float = 0.80
@@ -24,7 +24,7 @@ class SelectorConfig:
     relay_benefit_margin: float = 0.10
     enable_split_path: bool = True
     max_split_paths: int = 2
-    split_benefit_margin: float = 0.15
+    split_benefit_margin: float = 0.10
     ttft_sensitive: bool = False
     #: chunk size of store-and-forward relays (the pipeline fill a relay adds); match the executor's
     relay_chunk_bytes: int = 4 << 20

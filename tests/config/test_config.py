@@ -34,11 +34,11 @@ def test_defaults_match_default_yaml():
 
 def test_flexflow_selector_defaults():
     c = SelectorConfig()
-    assert (c.w_bandwidth, c.w_queue_delay, c.w_hops, c.w_qos_risk, c.w_latency) == (1.0, 0.5, 0.2, 0.3, 0.5)
+    assert (c.w_bandwidth, c.w_queue_delay, c.w_hops, c.w_qos_risk, c.w_latency) == (1.0, 0.5, 0.05, 0.3, 0.5)
     assert (c.nvlink_util_threshold, c.rdma_util_threshold, c.cnic_util_threshold, c.snic_util_threshold) == \
         (0.80, 0.80, 0.70, 0.85)
     assert (c.relay_benefit_margin, c.enable_split_path, c.max_split_paths, c.split_benefit_margin,
-            c.ttft_sensitive) == (0.10, True, 2, 0.15, False)
+            c.ttft_sensitive) == (0.10, True, 2, 0.10, False)
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "cpu-dev.yaml", "dgx-a100.yaml", "cluster.yaml"])

@@ -46,9 +46,12 @@ def test_threshold_is_configurable(impl):
 
 
 def test_relay_margin(impl):
-    # 23% load: the relay scores better, but by less than the 10% margin -> stay direct
+    # 15% load: the relay scores better (direct 789 us vs relay ~749 us: 671 us of bytes plus one
+    # 4 MiB pipeline fill, x1.05 for its extra hop), but by less than the 10% margin -> stay direct
     _, agent, sel = mk("dgx-a100", impl, enable_split_path=False, w_qos_risk=0.0)
-    agent.set_utilization("gpu0", "gpu1", 0.23)
+    agent.set_utilization("gpu0", "gpu1", 0.15)
+    sc = {p.type: cost for p, _, _, cost, _ in sel.scores("gpu0", "gpu1", 64 * MiB)}
+    assert sc[PathType.NVLinkRelay] < sc[PathType.Direct]
     d = sel.select(TransferRequest("gpu0", "gpu1", 64 * MiB))
     assert d.chosen_type == PathType.Direct and d.reason_code == 5 and "margin" in d.reason
     # 40% load: the relay wins by far more than the margin
@@ -212,3 +215,26 @@ def test_load_update_visible_without_rebuild(impl):
     assert sel.select(req).chosen_type == PathType.NVLinkRelay
     agent.set_utilization("gpu0", "gpu1", 0.0)
     assert sel.select(req).chosen_type == PathType.Direct
+
+
+def test_relay_fill_costed_as_transfer_time(impl):
+    # a relay's pipeline fill is bytes moving at the path's bandwidth: it is weighted like the
+    # transfer time (w_bandwidth), not like a fixed latency, so w_latency = 0 does not hide it
+    topo, _, sel = mk("dgx8", impl, w_latency=0.0, w_hops=0.0, w_qos_risk=0.0, w_queue_delay=0.0)
+    for size in (1 * MiB, 64 * MiB):
+        for p, bw, est, cost, _ in sel.scores("gpu0", "gpu1", size):
+            fill = len(p.relays) * min(size, 4 * MiB) / (bw * 1e3)
+            assert cost == pytest.approx(size / (bw * 1e3) + fill, rel=1e-12)
+            lat = sum(topo.links[l].latency_us for l in p.links) + 5.0 * len(p.relays)
+            assert est == pytest.approx(cost + lat, rel=1e-12)
+
+
+def test_small_split_prefers_fill_free_leg(impl):
+    # dgx8, GPU0-GPU1 at 85%: at 1 MiB a relay leg cannot pipeline (its fill is its whole share),
+    # so PCIe plus one relay beats two relays, as the selector's own estimate says
+    _, agent, sel = mk("dgx8", impl)
+    agent.set_utilization("gpu0", "gpu1", 0.85)
+    d = sel.select(TransferRequest("gpu0", "gpu1", 1 * MiB))
+    assert d.chosen_type == PathType.SplitPath
+    assert sorted(s.type.value for s in d.subpaths) == ["Direct", "NVLinkRelay"]
+    assert any(s.nodes == ("gpu0", "pcisw0", "gpu1") for s in d.subpaths)

@@ -39,6 +39,9 @@ def _check(kind: str, arg, value, key: str) -> Optional[str]:
     if kind == "weight":
         if not isnum or not value >= 0 or value != value:
             return f"{key} = {value!r}: must be a number >= 0"
+    elif kind == "unit":
+        if not isnum or not (0 <= value <= 1):
+            return f"{key} = {value!r}: must be a number in [0, 1]"
     elif kind == "threshold":
         if not isnum or not (0 < value <= 1):
             return f"{key} = {value!r}: must be a number in (0, 1]"
@@ -100,6 +103,11 @@ class MonitorConfig:
     source: str = "auto"  # auto | mock | nvml | sysfs
     feedback_half_life_ms: float = 500.0
     sysfs_root: str = "/sys"
+    #: share of *yielding* foreign load (greedy TCP bulk flows) we may take: 0 = protect all
+    #: foreign traffic (default), 0.5 = a TCP-like fair share against one flow (docs/contention.md)
+    elastic_share: float = 0.0
+    #: first re-probe of a link found not to yield, in seconds (doubles up to 60 s)
+    elastic_probe_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
     "topology": {"source": ("choice", ("auto", "discover", "mock", "file")), "mock": ("str", None),
                  "file": ("opt_str", None)},
     "monitor": {"sample_interval_ms": ("positive", None), "source": ("choice", ("auto", "mock", "nvml", "sysfs")),
-                "feedback_half_life_ms": ("positive", None), "sysfs_root": ("str", None)},
+                "feedback_half_life_ms": ("positive", None), "sysfs_root": ("str", None),
+                "elastic_share": ("unit", None), "elastic_probe_s": ("positive", None)},
     "host_tier": {"enabled": ("bool", None), "capacity_gb": ("nonneg", None), "capacity_tokens": ("opt_int_pos", None),
                   "write_policy": ("choice", ("write_through", "on_evict")), "verify_checksums": ("bool", None),
                   "pin_memory": ("choice", ("auto", "always", "never"))},

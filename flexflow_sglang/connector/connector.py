@@ -84,7 +84,8 @@ class FlexFlowConnector:
         if agent is None:
             mc = self.config.monitor
             agent = NodeAgent(self.topology, mc.sample_interval_ms, source=mc.source, sysfs_root=mc.sysfs_root,
-                              feedback_half_life_ms=mc.feedback_half_life_ms)
+                              feedback_half_life_ms=mc.feedback_half_life_ms, elastic_share=mc.elastic_share,
+                              elastic_probe_s=mc.elastic_probe_s)
             if start_agent:
                 agent.start()
         self.agent = agent

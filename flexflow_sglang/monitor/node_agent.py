@@ -6,6 +6,14 @@ Per link, `util = min(1, max(sampled, mock, decayed feedback) + reserved)`:
   selector does not flee from its own traffic;
 - feedback: what completed transfers observed (achieved bandwidth -> implied utilisation of the
   bottleneck link, queueing delay), decayed with a half-life, because ~100 ms sampling misses bursts;
+- elastic sharing (opt-in, `elastic_share` > 0): foreign load that has been seen to *yield* to our
+  own traffic (greedy TCP bulk flows: when our leg joins the link, their rate drops by about what we
+  get) counts only `1 - elastic_share` of its rate, so a link saturated by such a flow offers us a
+  fair share instead of nothing. Non-yielding load (UDP-like inference traffic, anything not yet
+  classified) stays fully protected. Evidence comes from intervals in which our own bytes crossed the
+  link (see _elastic_observe). A busy link with no evidence, or only old evidence, is probed by the
+  executor (probe_due()); a link found not to yield is re-probed after `elastic_probe_s`, doubling
+  up to ELASTIC_PROBE_MAX_S while it keeps not yielding;
 - reserved: our own transfers that were scheduled but have not finished (`reserve()` /
   `reserve_decision()` when a decision is executed, `release()` when a leg ends or fails). Each leg
   adds `leg bytes / predicted leg time / link capacity` on every link it crosses, scaled by the
@@ -44,6 +52,22 @@ RESERVE_FLOOR = 0.25
 #: a reservation never released is dropped after max(RESERVE_EXPIRY_FACTOR x its predicted time,
 #: the agent's reserve_timeout_s) (a caller that died without release() cannot pin a link)
 RESERVE_EXPIRY_FACTOR = 8.0
+#: elastic sharing: our share of a link in an interval below this counts as "we were not on it",
+#: and that interval's foreign rate becomes the link's quiet baseline
+ELASTIC_QUIET_OWN = 0.02
+#: our share must be at least this for the interval to say anything about yielding
+ELASTIC_EVIDENCE_OWN = 0.04
+#: a quiet baseline older than this is not compared against (the foreign load may have changed)
+ELASTIC_BASELINE_MAX_AGE_S = 5.0
+#: how much the quiet baseline may fall per quiet interval when the foreign load really drops
+ELASTIC_BASELINE_DECAY = 0.05
+#: measurement noise (fraction of capacity) not read as yielding
+ELASTIC_NOISE = 0.02
+#: below this yield estimate a link counts as not yielding (probe back-off); above it, the estimate
+#: scales the share we claim (one responsive flow: ~1; three: ~0.5, i.e. our 1/4 of the link)
+ELASTIC_MIN_YIELD = 0.25
+#: an elasticity estimate older than this is re-probed; the probe back-off never exceeds this either
+ELASTIC_PROBE_MAX_S = 60.0
 
 
 class _Reservation:
@@ -58,13 +82,17 @@ class NodeAgent:
     def __init__(self, topology: Topology, sample_interval_ms: float = 100.0, source="auto",
                  sysfs_root: str = "/sys", feedback_half_life_ms: float = 500.0,
                  sources: Optional[Sequence[LinkLoadSource]] = None, reserve_cap: float = 0.5,
-                 reserve_timeout_s: float = 10.0):
+                 reserve_timeout_s: float = 10.0, elastic_share: float = 0.0, elastic_probe_s: float = 5.0):
         if sample_interval_ms <= 0:
             raise ValueError(f"NodeAgent: sample_interval_ms must be > 0, got {sample_interval_ms!r}")
         if feedback_half_life_ms <= 0:
             raise ValueError(f"NodeAgent: feedback_half_life_ms must be > 0, got {feedback_half_life_ms!r}")
         if not (0.0 <= reserve_cap <= 1.0):
             raise ValueError(f"NodeAgent: reserve_cap must be in [0, 1], got {reserve_cap!r}")
+        if not (0.0 <= elastic_share <= 1.0):
+            raise ValueError(f"NodeAgent: elastic_share must be in [0, 1], got {elastic_share!r}")
+        if elastic_probe_s <= 0:
+            raise ValueError(f"NodeAgent: elastic_probe_s must be > 0, got {elastic_probe_s!r}")
         self.topology = topology
         self.sample_interval_ms = float(sample_interval_ms)
         self.feedback_half_life_s = feedback_half_life_ms / 1000.0
@@ -94,6 +122,19 @@ class NodeAgent:
         self._res_t: Optional[float] = None
         self._est_credit = np.zeros(n)  # own bytes subtracted on the estimate, not yet reported
         self.reservations_made = 0
+        #: elastic sharing (see the module docstring). elastic_est: yield estimate per link in
+        #: [0, 1], -1 = no evidence yet; `elastic` (published) is the fraction actually applied now
+        self.elastic_share = float(elastic_share)
+        self.elastic_probe_s = float(elastic_probe_s)
+        self.elastic_est = np.full(n, -1.0)
+        self.elastic = np.zeros(n)
+        self.elastic_evidence = 0  # intervals that updated an estimate
+        self._el_t = np.zeros(n)  # time of the last evidence
+        self._quiet = np.full(n, -1.0)  # foreign utilisation in the last intervals we were off the link
+        self._quiet_t = np.zeros(n)
+        self._probe_after = np.zeros(n)  # monotonic time before which a non-yielding link is not re-probed
+        self._probe_backoff = np.full(n, float(elastic_probe_s))
+        self._held_prev = np.zeros(n, dtype=bool)
         #: per-link QoS thresholds (a PathSelector built on this agent sets them): our reservations
         #: never push a link over its threshold on their own (they are not inference traffic, so
         #: they lower the bandwidth the selector expects but never make it reject a path)
@@ -164,6 +205,10 @@ class NodeAgent:
             self._integrate_locked(now)
             est_delta = self._res_bytes - self._res_prev
             self._res_prev = self._res_bytes.copy()
+            held = self._res_rate > 0.0
+        # a reservation held at both ends of the interval: our transfer was trying to use the link
+        held_throughout = held & self._held_prev
+        self._held_prev = held
         # our bytes not yet matched against a counter: this interval's plus the previous interval's
         # residual (a chunk reported just after the counters were read). Older residue is dropped so
         # a transfer reported late cannot hide later foreign traffic.
@@ -189,6 +234,14 @@ class NodeAgent:
                     residual[link_id] = min(pending[link_id] - mine, own_delta[link_id])
                     credit[link_id] = max(mine - reported[link_id], 0.0)
                     rate_bps = (seen - mine) / dt
+                    if self.elastic_share > 0.0:
+                        # evidence only from bytes our transfers reported, never from the
+                        # reservations' estimate (a leg that moves nothing would look like load
+                        # that made room for it)
+                        cap = self._cap_bps[link_id]
+                        rep = min(seen, max(reported[link_id], 0.0))
+                        self._elastic_observe(link_id, rep / dt / cap, (seen - rep) / dt / cap,
+                                              bool(held[link_id]), bool(held_throughout[link_id]), now)
                 sampled[link_id] = max(sampled[link_id], rate_bps / self._cap_bps[link_id])
         self._own_residual = residual
         self._est_credit = credit
@@ -197,6 +250,75 @@ class NodeAgent:
             self._sampled[mask] = np.minimum(sampled[mask], 1.0)
             self._refresh_locked(now)
         self.samples += 1
+
+    def _elastic_observe(self, l: int, own: float, foreign: float, held: bool, held_throughout: bool,
+                         now: float) -> None:
+        """One sampling interval of link `l` (fractions of its capacity): the bytes our transfers
+        reported on it, the rest, and whether one of our legs held the link (a reservation) at the
+        end of / throughout the interval. Runs in the sampling thread only."""
+        q = self._quiet[l]
+        fresh = q >= 0.0 and now - self._quiet_t[l] < ELASTIC_BASELINE_MAX_AGE_S
+        if own < ELASTIC_QUIET_OWN and not held:
+            # we were off the link: what is on it now is what would have to yield to us. A slowly
+            # decaying maximum, not an average: a responsive flow needs a few hundred ms to grow
+            # back after our leg left, and those intervals must not lower the baseline
+            self._quiet[l] = max(foreign, q - ELASTIC_BASELINE_DECAY) if fresh else foreign
+            self._quiet_t[l] = now
+            return
+        if not fresh or q < 0.5:
+            return  # no recent baseline, or too little foreign load for yielding to matter
+        if not held_throughout:
+            return  # our leg covered only part of the interval: its rate would read too low
+        if own >= ELASTIC_EVIDENCE_OWN:
+            if q + own < 0.9:
+                return  # there was room for us: nobody had to yield
+            # Two conditions, both needed: the foreign rate dropped by about what we got (else we
+            # only used room it left), and we got about the share we would claim. The second
+            # separates a responsive flow from a non-responsive one that saturates the link: a
+            # full tbf/switch queue drops some of the latter's packets as we join (its delivered
+            # rate drops too), but it keeps sending, and our congestion control backs off to a few %.
+            dropped = (q - foreign - ELASTIC_NOISE) / own
+            got = own / (self.elastic_share * q)
+            obs = min(1.0, max(0.0, min(dropped, got)))
+        else:
+            obs = 0.0  # one of our legs tried for the whole interval and got almost nothing
+        est = self.elastic_est[l]
+        est = obs if est < 0.0 or now - self._el_t[l] >= ELASTIC_PROBE_MAX_S else 0.5 * est + 0.5 * obs
+        self.elastic_est[l] = est
+        self._el_t[l] = now
+        self.elastic_evidence += 1
+        if est < ELASTIC_MIN_YIELD:
+            # does not yield: protected. Look again later, less often while it stays so (once per
+            # probe, not per interval of the same probe)
+            if now >= self._probe_after[l]:
+                self._probe_after[l] = now + self._probe_backoff[l]
+                self._probe_backoff[l] = min(2.0 * self._probe_backoff[l], ELASTIC_PROBE_MAX_S)
+        else:
+            self._probe_backoff[l] = self.elastic_probe_s
+
+    def _elastic_locked(self, now: float) -> np.ndarray:
+        """Fraction of each link's sampled foreign load treated as yielding right now."""
+        est = self.elastic_est
+        known = (est >= ELASTIC_MIN_YIELD) & (now - self._el_t < ELASTIC_PROBE_MAX_S)
+        return np.where(known, est, 0.0)
+
+    def probe_due(self, link_id: int) -> bool:
+        """Elastic sharing: should an executor probe `link_id` now? True when the link is busy
+        with foreign load and it is not known whether that load yields (no evidence, evidence
+        older than ELASTIC_PROBE_MAX_S, or a back-off after "does not yield" has run out).
+
+        A probe is the executor's own traffic on the link, apart from any KV transfer (dummy bytes
+        to a scratch buffer for a few sampling intervals), under a reservation (reserve()) and
+        reported like any transfer: the sampling thread turns it into evidence. It is never a
+        share of a transfer, because a probe on a link saturated by non-yielding traffic can
+        stall for seconds (TCP retransmission back-off) and would hold that transfer."""
+        if self.elastic_share <= 0.0 or self._sampled[link_id] < 0.5:
+            return False
+        now = time.monotonic()
+        est = self.elastic_est[link_id]
+        if est < 0.0 or now - self._el_t[link_id] >= ELASTIC_PROBE_MAX_S:
+            return True
+        return est < ELASTIC_MIN_YIELD and now >= self._probe_after[link_id]
 
     # ----------------------------------------------------------------- mock + feedback
     def set_utilization(self, a: str, b: str, value: float) -> None:
@@ -217,11 +339,15 @@ class NodeAgent:
             self._refresh_locked(time.monotonic())
 
     def clear(self) -> None:
-        """Forget mock values and feedback (sampled counters stay)."""
+        """Forget mock values, feedback and elasticity evidence (sampled counters stay)."""
         with self._lock:
             self._mock[:] = 0.0
             self._fb_util[:] = 0.0
             self._fb_q[:] = 0.0
+            self.elastic_est[:] = -1.0
+            self._quiet[:] = -1.0
+            self._probe_after[:] = 0.0
+            self._probe_backoff[:] = self.elastic_probe_s
             self._refresh_locked(time.monotonic())
 
     def report_progress(self, links: Iterable[int], nbytes: int) -> None:
@@ -391,7 +517,11 @@ class NodeAgent:
     def _refresh_locked(self, now: float) -> None:
         age = np.maximum(now - self._fb_t, 0.0)
         decay = np.power(0.5, age / self.feedback_half_life_s)
-        eff = np.maximum(np.maximum(self._sampled, self._mock), self._fb_util * decay)
+        sampled = self._sampled
+        if self.elastic_share > 0.0:
+            self.elastic[:] = self._elastic_locked(now)
+            sampled = sampled * (1.0 - self.elastic_share * self.elastic)
+        eff = np.maximum(np.maximum(sampled, self._mock), self._fb_util * decay)
         self._base[:] = eff
         self._integrate_locked(now)
         if self._res:
@@ -414,5 +544,6 @@ class NodeAgent:
         t = self.topology
         return {f"{l.a}-{l.b}#{l.id}": {"util": round(float(self.util[l.id]), 4),
                                          "reserved": round(float(self.reserved[l.id]), 4),
+                                         "elastic": round(float(self.elastic[l.id]), 4),
                                          "queue_delay_us": round(float(self.qdelay_us[l.id]), 2)}
                 for l in t.links}

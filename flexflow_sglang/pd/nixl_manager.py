@@ -195,7 +195,8 @@ def flexflow_nixl_manager_class():
                 [d for d, _ in self._ff_rails], s, policy=cfg.policy, default_gbps=cfg.rail_gbps,
                 latency_us=cfg.rail_latency_us, sysfs_root=full.monitor.sysfs_root,
                 sample_interval_ms=full.monitor.sample_interval_ms,
-                feedback_half_life_ms=full.monitor.feedback_half_life_ms, impl=full.selector_impl)
+                feedback_half_life_ms=full.monitor.feedback_half_life_ms, impl=full.selector_impl,
+                elastic_share=full.monitor.elastic_share, elastic_probe_s=full.monitor.elastic_probe_s)
 
         def _ff_add_peer_to_rails(self, peer_name: str, metadata: bytes) -> None:
             for i, (dev, agent) in enumerate(self._ff_rails):

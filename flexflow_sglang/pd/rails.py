@@ -113,7 +113,8 @@ class RailRouter:
     def __init__(self, rails: Sequence[str], selector_config: SelectorConfig, policy: str = "adaptive",
                  default_gbps: Optional[float] = None, latency_us: float = 20.0, sysfs_root: str = "/sys",
                  sample_interval_ms: float = 100.0, feedback_half_life_ms: float = 500.0,
-                 impl: str = "auto", start_monitor: bool = True, capacities: Optional[Sequence[float]] = None):
+                 impl: str = "auto", start_monitor: bool = True, capacities: Optional[Sequence[float]] = None,
+                 elastic_share: float = 0.0, elastic_probe_s: float = 5.0):
         if policy not in ("adaptive", "first_rail"):
             raise ConfigError(f"pd.policy = {policy!r}: RailRouter handles 'adaptive' and 'first_rail'")
         self.rails = list(rails)
@@ -121,7 +122,8 @@ class RailRouter:
         self.topology = build_rail_topology(self.rails, default_gbps, latency_us, sysfs_root, capacities)
         self.agent = NodeAgent(self.topology, sample_interval_ms=sample_interval_ms,
                                source="sysfs" if any(l.counter for l in self.topology.links) else "mock",
-                               feedback_half_life_ms=feedback_half_life_ms, sysfs_root=sysfs_root)
+                               feedback_half_life_ms=feedback_half_life_ms, sysfs_root=sysfs_root,
+                               elastic_share=elastic_share, elastic_probe_s=elastic_probe_s)
         self.selector = PathSelector(self.topology, self.agent, selector_config, impl=impl)
         self._rail_of_node = {f"rail{i}": i for i in range(len(self.rails))}
         self._net_link = {i: self.topology.links_between(f"rail{i}", DST)[0].id for i in range(len(self.rails))}

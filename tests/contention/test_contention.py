@@ -82,3 +82,49 @@ def test_selector_routes_around_congested_direct_link(tmp_path):
     # the congestion is real, and routing around it pays (expected ~15-20x for both; margins are wide)
     assert congested["seconds"] > 3 * idle["seconds"], (idle["seconds"], congested["seconds"])
     assert adaptive["seconds"] * 3 < congested["seconds"], (adaptive["seconds"], congested["seconds"])
+
+
+@pytest.mark.root
+@pytest.mark.nixl
+def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
+    """monitor.elastic_share 0.5 (the lab's adaptive-elastic policy): a probe finds that one greedy
+    TCP flow yields and splits transfers onto the direct link; UDP at 95 % does not yield, so the
+    transfers stay off it. Both with the payload verified at n2."""
+    why = _lab_skip_reason() or _nixl_skip_reason()
+    if why:
+        pytest.skip(f"contention lab: {why}")
+    from flexflow_sglang.bench.contention.lab import ContentionLab
+    n = 16 * MiB
+
+    def run(seconds):
+        out, t_end = [], time.monotonic() + seconds
+        while time.monotonic() < t_end:
+            out.append(lab.xfer("adaptive-elastic", n))
+        return out
+
+    with ContentionLab(max_bytes=n, log_dir=str(tmp_path / "logs")) as lab:
+        direct_link = lab.info["link_ids"]["n0-n2"]
+        lab.start_background("tcp", flows=1)
+        try:
+            time.sleep(1.0)
+            tcp = run(3.0)
+        finally:
+            lab.stop_background()
+        lab.clear()
+        lab.start_background("udp", pct=0.95)
+        try:
+            time.sleep(1.0)
+            udp = run(3.0)
+        finally:
+            lab.stop_background()
+    for r in tcp + udp:
+        assert r["complete"] and r["verified"], r
+    probes = [p for r in tcp for p in r.get("probes", [])]
+    assert probes, "a saturated link with no evidence must be probed"
+    assert tcp[-1]["elastic_est"][direct_link] >= 0.5, [r["elastic_est"] for r in tcp]
+    on_direct = [r for r in tcp if any(leg["kind"] == "direct" and leg["done"] > 0 for leg in r["legs"])]
+    assert len(on_direct) >= len(tcp) // 3, [r["decision"] for r in tcp]
+    est = udp[-1]["elastic_est"][direct_link]
+    assert 0.0 <= est < 0.25, [(r["elastic_est"], r["util_at_decision"], r.get("probes")) for r in udp]
+    direct_bytes = sum(leg["done"] for r in udp for leg in r["legs"] if leg["kind"] == "direct")
+    assert direct_bytes < 0.1 * n * len(udp), "transfers must stay off a link whose load does not yield"

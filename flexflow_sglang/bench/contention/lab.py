@@ -154,6 +154,11 @@ class ContentionLab:
             r["verified"] = None
         return r
 
+    def clear(self) -> None:
+        """Make the sender's NodeAgents forget feedback and elasticity evidence (a new scenario
+        must not inherit what the previous one taught them)."""
+        self.ch["sender"].call(op="clear")
+
     def trace(self, since: float) -> list:
         return self.ch["sender"].call(op="trace", since=since)["trace"]
 

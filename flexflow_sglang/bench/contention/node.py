@@ -14,6 +14,7 @@ Relay protocol (application relay, one request in flight per hop): s-relay WRITE
 slot i % SLOTS of r-in with notification `c|xid|i|slot|dst_off|len`; the relay forwards each chunk
 with r-out to t-relay at dst_off as soon as the previous forward completed, then notifies s-relay
 `a|xid|i`. The sender keeps at most SLOTS chunks unacknowledged (slot reuse) and one in flight.
+Chunk i here is the leg's i-th posted chunk (a leg may post chunks it took over from a sibling).
 
 Metadata goes through files in RUNDIR (namespaces share the filesystem); control (commands,
 results) through stdin/stdout JSON lines with the orchestrator (see channel.py).
@@ -39,6 +40,11 @@ logger = logging.getLogger(__name__)
 POLL_S = float(os.environ.get("FFC_POLL_S", "0.001"))  # poll sleep: keeps each process at a few % CPU at 1-2 Gbit/s (busy polling = 1 core)
 STAMP_BLOCK = 64 << 10
 FEEDBACK_WINDOW = 4  # chunks per fed-back rate (4 x 1 MiB ~ 34 ms at 1 Gbit/s)
+#: elastic-sharing probe (NodeAgent.probe_due): how long it keeps posting (3 sampling intervals of
+#: evidence), the least time between two probes, and the scratch region at the target it writes to
+PROBE_S = 0.35
+PROBE_GAP_S = 1.0
+PROBE_SCRATCH_BYTES = 1 << 20
 
 
 # ----------------------------------------------------------------------------- NIXL helpers
@@ -102,7 +108,8 @@ def _notifs(agent) -> Dict[str, List[bytes]]:
 def run_target(rundir: str, max_bytes: int) -> int:
     from .channel import ChildChannel
     ch = ChildChannel()
-    buf = np.empty(max_bytes, dtype=np.uint8)
+    # payload region [0, max_bytes) + a scratch region that only elastic-sharing probes write to
+    buf = np.empty(max_bytes + PROBE_SCRATCH_BYTES, dtype=np.uint8)
     buf.fill(0)  # fault the pages in now, not during the first measured transfer
     agents = {"t-direct": make_agent("t-direct", "v20"), "t-relay": make_agent("t-relay", "v21"),
               "t-multi": make_agent("t-multi", None)}
@@ -176,25 +183,55 @@ def run_relay(rundir: str, slots: int, chunk: int) -> int:
 
 # ----------------------------------------------------------------------------- sender (n0)
 class Leg:
-    """One subpath of a transfer, moved chunk by chunk: bytes [off, off+nbytes) of the payload."""
+    """One subpath of a transfer, moved chunk by chunk: the byte ranges in `todo` of the payload.
+    A sibling leg can take over unposted ranges (steal()), so a share planned from ~100 ms old
+    counters costs at most the chunks already in flight when it turns out wrong."""
 
     def __init__(self, kind: str, links, off: int, nbytes: int, chunk: int, hops: int):
         self.kind, self.links, self.off, self.nbytes, self.chunk, self.hops = kind, tuple(links), off, nbytes, chunk, hops
-        self.n_chunks = max(1, -(-nbytes // chunk)) if nbytes else 0
-        self.next = 0  # next chunk index to post
+        self.todo: deque = deque([[off, off + nbytes]] if nbytes > 0 else [])  # [lo, hi) ranges still to post
         self.done_chunks = 0
         self.done_bytes = 0
+        self.stolen_bytes = 0  # taken over from siblings
         self.t_start = self.t_last = self.t_end = None
         self.stopped = False  # deadline passed: post nothing more
         self.chunk_log: List[tuple] = []  # (t_done, bytes, seconds) per completed chunk
 
-    def span(self, i):
-        lo = self.off + i * self.chunk
-        return lo, min(self.chunk, self.off + self.nbytes - lo)
+    @property
+    def todo_bytes(self) -> int:
+        return sum(hi - lo for lo, hi in self.todo)
+
+    def _take(self) -> tuple:
+        """Next chunk to post: (offset, length) from the front of `todo`."""
+        r = self.todo[0]
+        n = min(self.chunk, r[1] - r[0])
+        lo = r[0]
+        r[0] += n
+        if r[0] >= r[1]:
+            self.todo.popleft()
+        return lo, n
+
+    def steal(self, victim: "Leg", nbytes: int) -> int:
+        """Move up to `nbytes` (whole chunks, from the back) of victim's unposted bytes to this leg."""
+        moved = 0
+        while victim.todo and moved < nbytes:
+            r = victim.todo[-1]
+            n = min(r[1] - r[0], max(self.chunk, (nbytes - moved) // self.chunk * self.chunk))
+            self.todo.append([r[1] - n, r[1]])
+            r[1] -= n
+            if r[1] <= r[0]:
+                victim.todo.pop()
+            moved += n
+        self.stolen_bytes += moved
+        return moved
+
+    def rate(self, now: float) -> float:
+        """Bytes/s this leg has delivered so far (0 before its first chunk)."""
+        return self.done_bytes / max(now - self.t_start, 1e-6) if self.done_bytes else 0.0
 
     @property
     def finished(self) -> bool:
-        return self.done_chunks >= (self.next if self.stopped else self.n_chunks) and not self.inflight()
+        return (self.stopped or not self.todo) and not self.inflight()
 
     def inflight(self) -> int:
         raise NotImplementedError
@@ -202,8 +239,8 @@ class Leg:
     def _completed(self, n: int, now: float, agent, report: bool):
         # Throughput, not latency: a chunk's interval is the time since the previous completion on
         # this leg (the first chunk also paid the pipeline fill, once per hop). The rate fed back is
-        # over the last FEEDBACK_WINDOW intervals: one chunk's interval is noisy (poll granularity, a
-        # short last chunk that still pays the fixed per-chunk overhead), and the NodeAgent lets the
+        # over the last FEEDBACK_WINDOW intervals: one interval is noisy (poll granularity, a short
+        # last chunk that still pays the fixed per-chunk overhead), and the NodeAgent lets the
         # latest observation replace older ones.
         dt = (now - self.t_last) if self.done_chunks else (now - self.t_start) / self.hops
         self.t_last = now
@@ -226,6 +263,9 @@ class DirectLeg(Leg):
     def inflight(self):
         return len(self.q)
 
+    def _remote(self, lo: int) -> int:
+        return self.peer["addr"] + lo
+
     def step(self, now, node_agent, report) -> bool:
         busy = False
         while self.q:
@@ -239,14 +279,33 @@ class DirectLeg(Leg):
             self.q.popleft()
             self._completed(n, now, node_agent, report)
             busy = True
-        while not self.stopped and self.next < self.n_chunks and len(self.q) < self.window:
-            lo, n = self.span(self.next)
-            self.q.append((write(self.nixl, self.peer["name"], self.src_addr + lo, self.peer["addr"] + lo, n), n))
-            self.next += 1
+        while not self.stopped and self.todo and len(self.q) < self.window:
+            lo, n = self._take()
+            self.q.append((write(self.nixl, self.peer["name"], self.src_addr + lo, self._remote(lo), n), n))
             busy = True
         if self.finished and self.t_end is None:
             self.t_end = now
         return busy
+
+
+class ProbeLeg(DirectLeg):
+    """Elastic-sharing probe: chunks over one link to the target's scratch region for
+    PROBE_S, reported to the NodeAgent like a transfer so its sampling thread learns whether the
+    foreign load on the link yields. Not part of any KV transfer: nothing waits for it."""
+
+    def __init__(self, nixl, peer: dict, src_addr: int, scratch_addr: int, links, nbytes, chunk, window, now):
+        super().__init__(nixl, peer, src_addr, links, 0, nbytes, chunk, window, kind="probe")
+        self.scratch = scratch_addr
+        self.t_start = self.t_last = now
+        self.until = now + PROBE_S
+
+    def _remote(self, lo: int) -> int:
+        return self.scratch  # every chunk to the same scratch bytes: their content does not matter
+
+    def step(self, now, node_agent, report) -> bool:
+        if now >= self.until:
+            self.stopped = True
+        return super().step(now, node_agent, report)
 
 
 class RelayLeg(Leg):
@@ -254,18 +313,22 @@ class RelayLeg(Leg):
                  acks: deque):
         super().__init__("relay", links, off, nbytes, chunk, 2)
         self.nixl, self.relay, self.src_addr, self.xid, self.slots = nixl, relay, src_addr, xid, slots
-        self.hop1 = None  # (handle, i)
-        self.acks = acks  # chunk indices acknowledged end to end (filled by the sender loop)
+        self.hop1 = None  # handle of the chunk being written into the relay's ring
+        self.posted = 0  # chunks posted: chunk k uses ring slot k % slots (the relay forwards in order)
+        self.sizes: Dict[int, int] = {}  # chunk number -> bytes, until acknowledged end to end
+        self.acks = acks  # chunk numbers acknowledged end to end (filled by the sender loop)
 
     def inflight(self):
-        return self.next - self.done_chunks
+        return len(self.sizes)
 
     def step(self, now, node_agent, report) -> bool:
         busy = False
         while self.acks:
-            i = self.acks.popleft()
-            self._completed(self.span(i)[1], now, node_agent, report)
-            busy = True
+            k = self.acks.popleft()
+            n = self.sizes.pop(k, None)
+            if n is not None:
+                self._completed(n, now, node_agent, report)
+                busy = True
         if self.hop1 is not None:
             st = self.nixl.check_xfer_state(self.hop1)
             if st == "ERR":
@@ -274,19 +337,38 @@ class RelayLeg(Leg):
                 self.nixl.release_xfer_handle(self.hop1)
                 self.hop1 = None
                 busy = True
-        if (self.hop1 is None and not self.stopped and self.next < self.n_chunks
-                and self.next - self.done_chunks < self.slots):
-            i = self.next
-            lo, n = self.span(i)
-            slot = i % self.slots
-            notif = f"c|{self.xid}|{i}|{slot}|{lo}|{n}".encode()
+        if self.hop1 is None and not self.stopped and self.todo and len(self.sizes) < self.slots:
+            k = self.posted
+            lo, n = self._take()
+            slot = k % self.slots
+            notif = f"c|{self.xid}|{k}|{slot}|{lo}|{n}".encode()
             self.hop1 = write(self.nixl, self.relay["name"], self.src_addr + lo,
                               self.relay["addr"] + slot * self.chunk, n, notif)
-            self.next += 1
+            self.sizes[k] = n
+            self.posted += 1
             busy = True
         if self.finished and self.t_end is None:
             self.t_end = now
         return busy
+
+
+def rebalance(legs: List[Leg], now: float) -> int:
+    """Work stealing between the legs of one split transfer: a leg with nothing left to post takes
+    over part of the unposted bytes of the sibling with the most left, in proportion to the two
+    legs' delivered rates (all of it from a sibling that has delivered nothing yet). The selector's
+    shares are a plan from ~100 ms old counters; this corrects them while the transfer runs."""
+    moved = 0
+    for thief in legs:
+        if thief.stopped or thief.todo or thief.inflight() > 1:
+            continue
+        victim = max((l for l in legs if l is not thief and l.todo), key=lambda l: l.todo_bytes, default=None)
+        if victim is None:
+            break
+        rt, rv = thief.rate(now), victim.rate(now)
+        want = victim.todo_bytes * (rt / (rt + rv) if rt > 0 and rv > 0 else 1.0)
+        if want >= victim.chunk or rv == 0:
+            moved += thief.steal(victim, int(want))
+    return moved
 
 
 def build_topology(capacity_gbps: float = 0.125):
@@ -302,11 +384,15 @@ def build_topology(capacity_gbps: float = 0.125):
     return topo
 
 
+#: policies executed from a PathDecision: work stealing between legs, reservations
+ADAPTIVE = ("adaptive", "adaptive-elastic")
+
+
 class Sender:
-    POLICIES = ("direct", "relay", "split50", "multirail", "adaptive")
+    POLICIES = ("direct", "relay", "split50", "multirail", "adaptive", "adaptive-elastic")
 
     def __init__(self, rundir: str, max_bytes: int, chunk: int, slots: int, window: int,
-                 sample_interval_ms: float, capacity_gbps: float):
+                 sample_interval_ms: float, capacity_gbps: float, elastic_share: float = 0.5):
         from ...monitor import NodeAgent
         from ...selector import PathSelector, SelectorConfig
         self.chunk, self.slots, self.window = chunk, slots, window
@@ -327,7 +413,17 @@ class Sender:
                                         self.topo.links_between("n1", "n2")[0].id)
         self.agent = NodeAgent(self.topo, sample_interval_ms=sample_interval_ms, source="sysfs", sysfs_root="/sys")
         self.selector = PathSelector(self.topo, self.agent, SelectorConfig())
+        # the same selector with elastic sharing on (monitor.elastic_share): its own NodeAgent, so
+        # its evidence and feedback come only from its own transfers
+        self.agent_el = NodeAgent(self.topo, sample_interval_ms=sample_interval_ms, source="sysfs",
+                                  sysfs_root="/sys", elastic_share=elastic_share)
+        self.selector_el = PathSelector(self.topo, self.agent_el, SelectorConfig())
         self._matched = None
+        self.max_bytes = max_bytes
+        self.probe: Optional[ProbeLeg] = None
+        self.probe_token = 0
+        self.next_probe_t = 0.0
+        self.probes: List[dict] = []  # one record per finished probe (returned with each transfer)
         self.acks: deque = deque()
         self.cur_xid = -1
         self.trace: List[list] = []
@@ -344,9 +440,44 @@ class Sender:
 
     def start(self):
         self.agent.start()
+        self.agent_el.start()
 
     def close(self):
         self.agent.stop()
+        self.agent_el.stop()
+
+    # ----------------------------------------------------------------- elastic-sharing probe
+    def step_probe(self, now: float, allow_start: bool) -> bool:
+        """Advance the probe of the elastic agent; start one on the direct link when the agent asks
+        for it (only the direct link has an endpoint here). Returns True while a probe runs."""
+        ag = self.agent_el
+        if self.probe is None:
+            if not allow_start or now < self.next_probe_t or not ag.probe_due(self.l02):
+                return False
+            nbytes = min(self.max_bytes, 64 << 20)
+            self.probe = ProbeLeg(self.a_direct, self.p_direct, self.addr, self.p_direct["addr"] + self.max_bytes,
+                                  (self.l02,), nbytes, min(self.chunk, PROBE_SCRATCH_BYTES), self.window, now)
+            # a low predicted rate: the reservation marks the link as ours-in-use (evidence) without
+            # its estimate hiding much foreign load while the probe reports nothing
+            self.probe_token = ag.reserve((self.l02,), 1 << 20, PROBE_S)
+        self.probe.step(now, ag, True)
+        if (self.probe.stopped or not self.probe.todo) and self.probe_token:
+            # held only while it posts: chunks still in flight after that are not "trying"
+            ag.release(self.probe_token)
+            self.probe_token = 0
+        if self.probe.finished:
+            p = self.probe
+            self.probes.append({"t0": round(p.t_start, 6), "t1": round(now, 6), "bytes": p.done_bytes,
+                                "mbps": round(p.done_bytes * 8 / max(now - p.t_start, 1e-6) / 1e6, 1)})
+            self.probe, self.probe_token = None, 0
+            self.next_probe_t = now + PROBE_GAP_S
+            return False
+        return True
+
+    def stop_probe(self) -> None:
+        """Post no more probe chunks (another policy's transfer is about to be measured)."""
+        if self.probe is not None:
+            self.probe.stopped = True
 
     def _poll_acks(self):
         for msgs in _notifs(self.a_relay).values():
@@ -369,7 +500,8 @@ class Sender:
     def _legs(self, policy: str, xid: int, nbytes: int, decision=None) -> List[Leg]:
         c = self.chunk
         relay_links = (self.l01, self.l12)
-        mk_direct = lambda off, n: DirectLeg(self.a_direct, self.p_direct, self.addr, (self.l02,), off, n, c, self.window)
+        mk_direct = lambda off, n: DirectLeg(self.a_direct, self.p_direct, self.addr, (self.l02,), off, n, c,
+                                             self.window)
         mk_relay = lambda off, n: RelayLeg(self.a_relay, self.p_relay, self.addr, xid, relay_links, off, n, c,
                                            self.slots, self.acks)
         if policy == "direct":
@@ -382,7 +514,7 @@ class Sender:
         if policy == "multirail":
             return [DirectLeg(self.a_multi, self.p_multi, self.addr, (self.l02, self.l01, self.l12), 0, nbytes, c,
                               self.window, kind="multirail")]
-        if policy == "adaptive":
+        if policy in ADAPTIVE:
             legs, off = [], 0
             for sub in decision.subpaths:
                 if sub.nbytes <= 0:
@@ -424,41 +556,68 @@ class Sender:
             policy = "adaptive"
         elif policy == "adaptive":
             decision = self.selector.select(TransferRequest("n0", "n2", nbytes))
+        elif policy == "adaptive-elastic":
+            decision = self.selector_el.select(TransferRequest("n0", "n2", nbytes))
         t_sel = time.monotonic() - t_sel
         legs = self._legs(policy, xid, nbytes, decision)
-        util_at = [round(float(x), 4) for x in self.agent.util]
+        agent = self.agent_el if policy == "adaptive-elastic" else self.agent
+        util_at = [round(float(x), 4) for x in agent.util]
+        elastic_at = [round(float(x), 3) for x in agent.elastic]
+        adaptive = policy in ADAPTIVE
+        elastic = policy == "adaptive-elastic"
+        if not elastic:
+            self.stop_probe()
+        # our own transfer in flight, as the connector's executors count it (docs/selector.md)
+        tokens = list(agent.reserve_decision(decision)) if adaptive else []
         t0 = time.monotonic()
         for leg in legs:
             leg.t_start = leg.t_last = t0
         per_chunk = report == "chunk"
-        while True:
-            now = time.monotonic()
-            if deadline is not None and now > deadline:
-                for leg in legs:
-                    leg.stopped = True
-            if any(isinstance(l, RelayLeg) for l in legs):
-                self._poll_acks()
-            busy = False
-            for leg in legs:
-                if not leg.finished or leg.t_end is None:
-                    busy |= leg.step(now, self.agent, per_chunk)
-            self._tr(now)
-            if all(l.finished for l in legs):
-                break
-            if not busy:
-                time.sleep(POLL_S)
+        try:
+            while True:
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    for leg in legs:
+                        leg.stopped = True
+                if any(isinstance(l, RelayLeg) for l in legs):
+                    self._poll_acks()
+                busy = False
+                for i, leg in enumerate(legs):
+                    if not leg.finished or leg.t_end is None:
+                        busy |= leg.step(now, agent, per_chunk)
+                    if leg.finished and i < len(tokens) and tokens[i]:
+                        agent.release(tokens[i])
+                        tokens[i] = 0
+                if self.probe is not None or elastic:
+                    busy |= self.step_probe(now, elastic)
+                if adaptive and len(legs) > 1 and rebalance(legs, now):
+                    busy = True
+                    for leg in legs:  # a leg that took over bytes is not finished any more
+                        if leg.todo:
+                            leg.t_end = None
+                self._tr(now)
+                if all(l.finished for l in legs):
+                    break
+                if not busy:
+                    time.sleep(POLL_S)
+        finally:
+            agent.release(tokens)
         t1 = max(l.t_end for l in legs)
         if report == "leg":
             for l in legs:
                 if l.done_bytes:
-                    self.agent.report_transfer(l.links, l.done_bytes, max(l.t_end - l.t_start, 1e-6))
+                    agent.report_transfer(l.links, l.done_bytes, max(l.t_end - l.t_start, 1e-6))
         self._tr(time.monotonic(), force=True)
         done = sum(l.done_bytes for l in legs)
         out = {"xid": xid, "policy": label, "nbytes": nbytes, "delivered": done, "complete": done == nbytes,
                "t0": t0, "t1": t1, "seconds": t1 - t0, "crc": crc, "select_us": round(t_sel * 1e6, 1),
                "util_at_decision": util_at,
                "legs": [{"kind": l.kind, "off": l.off, "nbytes": l.nbytes, "done": l.done_bytes,
-                         "seconds": round(l.t_end - l.t_start, 6)} for l in legs]}
+                         "stolen": l.stolen_bytes, "seconds": round(l.t_end - l.t_start, 6)} for l in legs]}
+        if elastic:
+            out["elastic_at_decision"] = elastic_at
+            out["elastic_est"] = [round(float(x), 3) for x in agent.elastic_est]
+            out["probes"], self.probes = self.probes, []
         if decision is not None:
             out["decision"] = {"type": decision.chosen_type.value, "reason": decision.reason,
                                "shares": [[s.type.value, s.nbytes] for s in decision.subpaths]}
@@ -477,13 +636,23 @@ def run_sender(rundir: str, max_bytes: int, chunk: int, slots: int, window: int,
         s.start()
         ch.send(ready=True, pid=os.getpid(), selector=s.selector.impl,
                 links={"n0-n1": s.l01, "n0-n2": s.l02, "n1-n2": s.l12})
+        last_elastic = False
         while True:
-            m = ch.recv()
+            # between elastic-sharing transfers a running probe keeps going (UCX over TCP needs
+            # polling); it never starts or posts during another policy's transfers
+            if s.probe is not None and last_elastic:
+                s.step_probe(time.monotonic(), True)
+                m = ch.poll(POLL_S)
+                if m is None:
+                    continue
+            else:
+                m = ch.recv()
             op = m.get("op")
             if op == "quit":
                 return 0
             try:
                 if op == "xfer":
+                    last_elastic = m["policy"] == "adaptive-elastic"
                     dl = m.get("deadline")
                     ch.send(**s.transfer(int(m["xid"]), m["policy"], int(m["nbytes"]),
                                          float(dl) if dl is not None else None, m.get("report")))
@@ -492,10 +661,16 @@ def run_sender(rundir: str, max_bytes: int, chunk: int, slots: int, window: int,
                     ch.send(trace=[r for r in s.trace if r[0] >= t0])
                     s.trace = [r for r in s.trace if r[0] >= time.monotonic() - 1.0]
                 elif op == "state":
+                    el = s.agent_el
                     ch.send(util=[float(x) for x in s.agent.util], samples=s.agent.samples,
-                            feedback=s.agent.feedback_count, snapshot=s.agent.snapshot())
+                            feedback=s.agent.feedback_count, snapshot=s.agent.snapshot(),
+                            elastic={"est": el.elastic_est.tolist(), "applied": el.elastic.tolist(),
+                                     "in_flight": el.in_flight, "evidence": el.elastic_evidence,
+                                     "probe_running": s.probe is not None})
                 elif op == "clear":
+                    s.stop_probe()
                     s.agent.clear()
+                    s.agent_el.clear()
                     ch.send(ok=True)
                 else:
                     ch.send(error=f"sender: unknown op {op!r}")

@@ -1,0 +1,178 @@
+"""Elastic sharing in the NodeAgent (monitor.elastic_share): foreign load that yields to our own
+traffic counts at (1 - share) of its rate, load that does not yield stays fully protected.
+
+A fake counter source plays the link: each interval it reports the foreign rate the test sets plus
+whatever our transfer reported moving, exactly as the sysfs counter of a shared NIC would."""
+
+import time
+
+import numpy as np
+import pytest
+
+from flexflow_sglang.config import ConfigError, load_config
+from flexflow_sglang.monitor import NodeAgent
+from flexflow_sglang.monitor import node_agent as na
+from flexflow_sglang.monitor.sources import LinkLoadSource
+from flexflow_sglang.topology import LinkType, NodeKind, Topology
+
+CAP_GBPS = 0.125  # 1 Gbit/s
+CAP = CAP_GBPS * 1e9
+
+
+def _topo():
+    t = Topology("two-hosts", "test")
+    for h in ("a", "b"):
+        t.add_node(h, NodeKind.CPU, h, 0)
+    t.add_link("a", "b", LinkType.ETHERNET, CAP_GBPS, 50.0, counter={"fake": "l0"})
+    return t
+
+
+class FakeLink(LinkLoadSource):
+    """Link 0's counter: foreign bytes at `foreign` x capacity + our bytes of this interval."""
+
+    def __init__(self):
+        self.foreign = 0.0
+        self.own_bytes = 0.0
+
+    def read_rates(self, dt):
+        if dt is None:
+            return [(0, self.foreign * CAP)]
+        rate = self.foreign * CAP + self.own_bytes / dt
+        self.own_bytes = 0.0
+        return [(0, min(rate, CAP))]
+
+
+def _agent(share=0.5, probe_s=5.0):
+    src = FakeLink()
+    ag = NodeAgent(_topo(), source="mock", sources=[src], elastic_share=share, elastic_probe_s=probe_s)
+    return ag, src
+
+
+def _interval(ag, src, foreign, own_frac, dt=0.02):
+    """One sampling interval: the foreign load at `foreign`, our transfer moving own_frac x capacity."""
+    time.sleep(dt)
+    nbytes = own_frac * CAP * dt
+    src.foreign = foreign
+    src.own_bytes = nbytes
+    if nbytes:
+        ag.report_progress([0], int(nbytes))
+    ag.sample_once()
+
+
+def _quiet(ag, src, foreign, n=3):
+    for _ in range(n):
+        _interval(ag, src, foreign, 0.0)
+
+
+def test_yielding_load_offers_a_fair_share_after_a_probe():
+    ag, src = _agent()
+    _quiet(ag, src, 1.0)
+    assert ag.util[0] == pytest.approx(1.0, abs=0.02)
+    assert ag.probe_due(0), "a saturated link with no evidence must be probed"
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):  # a greedy TCP flow halves its rate while our leg shares the link
+        _interval(ag, src, 0.5, 0.5)
+    ag.release(tok)
+    _quiet(ag, src, 1.0, n=2)  # it grows back once we leave
+    assert ag.elastic_est[0] >= 0.8, ag.elastic_est
+    assert not ag.probe_due(0)
+    # counted at half its rate: the selector sees about half the link available, under the QoS bar
+    assert ag.util[0] == pytest.approx(1.0 - 0.5 * ag.elastic_est[0], abs=0.03)
+    assert ag.util[0] < 0.8
+
+
+def test_saturating_load_that_does_not_yield_stays_protected():
+    ag, src = _agent(probe_s=0.2)
+    _quiet(ag, src, 1.0)
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):  # UDP keeps sending: the queue drops a little of it, our leg gets 5 %
+        _interval(ag, src, 0.95, 0.05)
+    ag.release(tok)
+    _quiet(ag, src, 1.0, n=2)
+    assert 0.0 <= ag.elastic_est[0] < na.ELASTIC_MIN_YIELD, ag.elastic_est
+    assert ag.util[0] == pytest.approx(1.0, abs=0.02)
+    assert not ag.probe_due(0), "just probed: back off"
+    first = ag._probe_backoff[0]
+    time.sleep(0.25)
+    assert ag.probe_due(0), "re-probed after elastic_probe_s"
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):
+        _interval(ag, src, 0.95, 0.05)
+    ag.release(tok)
+    assert ag._probe_backoff[0] == pytest.approx(2 * first), "the back-off doubles while it keeps not yielding"
+
+
+def test_load_below_capacity_that_does_not_yield_is_not_elastic():
+    ag, src = _agent()
+    _quiet(ag, src, 0.85)
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):  # we only use the 15 % it leaves; its own rate does not move
+        _interval(ag, src, 0.85, 0.15)
+    ag.release(tok)
+    assert 0.0 <= ag.elastic_est[0] < na.ELASTIC_MIN_YIELD
+    _quiet(ag, src, 0.85, n=2)
+    assert ag.util[0] == pytest.approx(0.85, abs=0.02)
+
+
+def test_a_leg_that_moves_nothing_is_evidence_of_no_yield_not_of_room():
+    # the reservation's estimate of our bytes must not be read as load that made room for us
+    ag, src = _agent()
+    _quiet(ag, src, 1.0)
+    tok = ag.reserve([0], 64 << 20, 0.1)  # predicted at line rate; it moves nothing
+    for _ in range(4):
+        _interval(ag, src, 1.0, 0.0)
+    ag.release(tok)
+    assert 0.0 <= ag.elastic_est[0] < na.ELASTIC_MIN_YIELD, ag.elastic_est
+
+
+def test_off_by_default_and_clear_forgets_evidence():
+    ag, src = _agent(share=0.0)
+    _quiet(ag, src, 1.0)
+    assert not ag.probe_due(0)
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):
+        _interval(ag, src, 0.5, 0.5)
+    ag.release(tok)
+    assert ag.elastic_est[0] == -1.0 and ag.elastic_evidence == 0
+    _quiet(ag, src, 1.0, n=2)
+    assert ag.util[0] == pytest.approx(1.0, abs=0.02)
+
+    ag, src = _agent()
+    _quiet(ag, src, 1.0)
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):
+        _interval(ag, src, 0.5, 0.5)
+    ag.release(tok)
+    assert ag.elastic_est[0] > 0.5
+    _quiet(ag, src, 1.0, n=1)
+    ag.clear()
+    assert np.all(ag.elastic_est == -1.0) and ag.probe_due(0)
+
+
+def test_idle_link_needs_no_probe_and_no_evidence():
+    ag, src = _agent()
+    _quiet(ag, src, 0.1)
+    tok = ag.reserve([0], 4 << 20, 0.5)
+    for _ in range(3):
+        _interval(ag, src, 0.1, 0.8)
+    ag.release(tok)
+    assert ag.elastic_est[0] == -1.0  # nothing had to yield
+    assert not ag.probe_due(0)
+
+
+@pytest.mark.parametrize("key,value", [("elastic_share", 1.5), ("elastic_share", -0.1), ("elastic_share", "half"),
+                                       ("elastic_probe_s", 0)])
+def test_bad_elastic_config_names_the_key(tmp_path, key, value):
+    p = tmp_path / "ff.yaml"
+    p.write_text(f"monitor:\n  {key}: {value!r}\n" if isinstance(value, str) else f"monitor:\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=f"monitor.{key}"):
+        load_config(str(p))
+
+
+def test_elastic_config_reaches_the_agent(tmp_path):
+    p = tmp_path / "ff.yaml"
+    p.write_text("monitor:\n  elastic_share: 0.4\n  elastic_probe_s: 2\n")
+    cfg = load_config(str(p))
+    assert (cfg.monitor.elastic_share, cfg.monitor.elastic_probe_s) == (0.4, 2)
+    with pytest.raises(ValueError, match="elastic_share"):
+        NodeAgent(_topo(), source="mock", elastic_share=2.0)

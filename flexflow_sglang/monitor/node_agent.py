@@ -61,11 +61,14 @@ ELASTIC_EVIDENCE_OWN = 0.04
 ELASTIC_BASELINE_MAX_AGE_S = 5.0
 #: how much the quiet baseline may fall per quiet interval when the foreign load really drops
 ELASTIC_BASELINE_DECAY = 0.05
-#: measurement noise (fraction of capacity) not read as yielding
-ELASTIC_NOISE = 0.02
+#: measurement noise (fraction of capacity) not read as yielding: our bytes are reported per
+#: completed chunk, so one interval's own rate is off by up to a chunk (1 MiB = 8 % of 1 Gbit/s x 100 ms)
+ELASTIC_NOISE = 0.05
 #: below this yield estimate a link counts as not yielding (probe back-off); above it, the estimate
 #: scales the share we claim (one responsive flow: ~1; three: ~0.5, i.e. our 1/4 of the link)
-ELASTIC_MIN_YIELD = 0.25
+ELASTIC_MIN_YIELD = 0.35
+#: a link is probed only when its foreign load is at least this (fraction of capacity)
+ELASTIC_PROBE_BUSY = 0.7
 #: an elasticity estimate older than this is re-probed; the probe back-off never exceeds this either
 ELASTIC_PROBE_MAX_S = 60.0
 
@@ -312,8 +315,10 @@ class NodeAgent:
         reported like any transfer: the sampling thread turns it into evidence. It is never a
         share of a transfer, because a probe on a link saturated by non-yielding traffic can
         stall for seconds (TCP retransmission back-off) and would hold that transfer."""
-        if self.elastic_share <= 0.0 or self._sampled[link_id] < 0.5:
-            return False
+        if self.elastic_share <= 0.0 or self._sampled[link_id] < ELASTIC_PROBE_BUSY:
+            return False  # off, or enough room left that whether the load yields matters little
+        if self._res_rate[link_id] > 0.0:
+            return False  # our own legs are on it: a probe would measure them, and slow them down
         now = time.monotonic()
         est = self.elastic_est[link_id]
         if est < 0.0 or now - self._el_t[link_id] >= ELASTIC_PROBE_MAX_S:
@@ -520,6 +525,12 @@ class NodeAgent:
         sampled = self._sampled
         if self.elastic_share > 0.0:
             self.elastic[:] = self._elastic_locked(now)
+            # while our own legs hold a link, part of the foreign load is displaced (a full queue
+            # drops even non-responsive traffic) and the counters read low; it is back when we leave,
+            # so a decision then must see the load from before we joined
+            q = self._quiet
+            held = (self._res_rate > 0.0) & (q >= 0.0) & (now - self._quiet_t < ELASTIC_BASELINE_MAX_AGE_S)
+            sampled = np.where(held, np.maximum(sampled, np.minimum(q, 1.0)), sampled)
             sampled = sampled * (1.0 - self.elastic_share * self.elastic)
         eff = np.maximum(np.maximum(sampled, self._mock), self._fb_util * decay)
         self._base[:] = eff

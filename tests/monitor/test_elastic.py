@@ -176,3 +176,16 @@ def test_elastic_config_reaches_the_agent(tmp_path):
     assert (cfg.monitor.elastic_share, cfg.monitor.elastic_probe_s) == (0.4, 2)
     with pytest.raises(ValueError, match="elastic_share"):
         NodeAgent(_topo(), source="mock", elastic_share=2.0)
+
+
+def test_load_displaced_by_our_own_leg_still_counts_while_we_hold_the_link():
+    # a saturating non-responsive flow loses a few % to our probe (queue drops): the counters read
+    # low while we are on the link, but a decision taken then must not see room that is not there
+    ag, src = _agent()
+    _quiet(ag, src, 1.0)
+    tok = ag.reserve([0], 1 << 20, 0.35)
+    assert not ag.probe_due(0), "no probe while our own legs hold the link"
+    _interval(ag, src, 0.85, 0.10)
+    assert ag.util[0] >= 0.99, ag.util
+    ag.release(tok)
+    assert ag.probe_due(0)

@@ -193,6 +193,7 @@ class Leg:
         self.done_chunks = 0
         self.done_bytes = 0
         self.stolen_bytes = 0  # taken over from siblings
+        self.others = ()  # NodeAgents told about this leg's bytes as own traffic only (set by the sender)
         self.t_start = self.t_last = self.t_end = None
         self.stopped = False  # deadline passed: post nothing more
         self.chunk_log: List[tuple] = []  # (t_done, bytes, seconds) per completed chunk
@@ -236,7 +237,7 @@ class Leg:
     def inflight(self) -> int:
         raise NotImplementedError
 
-    def _completed(self, n: int, now: float, agent, report: bool):
+    def _completed(self, n: int, now: float, agent, report: bool, others=()):
         # Throughput, not latency: a chunk's interval is the time since the previous completion on
         # this leg (the first chunk also paid the pipeline fill, once per hop). The rate fed back is
         # over the last FEEDBACK_WINDOW intervals: one interval is noisy (poll granularity, a short
@@ -252,6 +253,8 @@ class Leg:
             rate = sum(c[1] for c in win) / max(sum(c[2] for c in win), 1e-6)
             # own bytes: exactly this chunk; seconds: what this chunk took at the windowed rate
             agent.report_transfer(self.links, n, max(n / rate, 1e-6))
+        for o in others:  # the host's other NodeAgents: our bytes, not foreign load (no feedback)
+            o.report_progress(self.links, n)
 
 
 class DirectLeg(Leg):
@@ -277,7 +280,7 @@ class DirectLeg(Leg):
                 break
             self.nixl.release_xfer_handle(h)
             self.q.popleft()
-            self._completed(n, now, node_agent, report)
+            self._completed(n, now, node_agent, report, self.others)
             busy = True
         while not self.stopped and self.todo and len(self.q) < self.window:
             lo, n = self._take()
@@ -327,7 +330,7 @@ class RelayLeg(Leg):
             k = self.acks.popleft()
             n = self.sizes.pop(k, None)
             if n is not None:
-                self._completed(n, now, node_agent, report)
+                self._completed(n, now, node_agent, report, self.others)
                 busy = True
         if self.hop1 is not None:
             st = self.nixl.check_xfer_state(self.hop1)
@@ -457,6 +460,7 @@ class Sender:
             nbytes = min(self.max_bytes, 64 << 20)
             self.probe = ProbeLeg(self.a_direct, self.p_direct, self.addr, self.p_direct["addr"] + self.max_bytes,
                                   (self.l02,), nbytes, min(self.chunk, PROBE_SCRATCH_BYTES), self.window, now)
+            self.probe.others = (self.agent,)
             # a low predicted rate: the reservation marks the link as ours-in-use (evidence) without
             # its estimate hiding much foreign load while the probe reports nothing
             self.probe_token = ag.reserve((self.l02,), 1 << 20, PROBE_S)
@@ -561,6 +565,12 @@ class Sender:
         t_sel = time.monotonic() - t_sel
         legs = self._legs(policy, xid, nbytes, decision)
         agent = self.agent_el if policy == "adaptive-elastic" else self.agent
+        if policy in ADAPTIVE:
+            # both adaptive policies' NodeAgents stand for one host's: each counts the other's
+            # transfers as our own traffic, not as foreign load that later "yields"
+            other = (self.agent if agent is self.agent_el else self.agent_el,)
+            for leg in legs:
+                leg.others = other
         util_at = [round(float(x), 4) for x in agent.util]
         elastic_at = [round(float(x), 3) for x in agent.elastic]
         adaptive = policy in ADAPTIVE

@@ -55,15 +55,16 @@ SCENARIOS: Dict[str, Tuple[str, float]] = {
     "tcp3": ("tcp", 3),
 }
 
-#: docs/contention.md, the full run (commit 31921f6): n = common prefix of SEQ_MIB, Mbit/s per policy
-#: over that prefix, adaptive's path mix
+#: docs/contention.md, the full run (commit 912b2c9: the current selector defaults, the lab's executor
+#: with work stealing between split legs and in-flight reservations; policy `adaptive`, the shipped
+#: default): n = common prefix of SEQ_MIB, Mbit/s per policy over that prefix, adaptive's path mix
 REAL = {
-    "idle": dict(n=10, direct=993, relay=966, split50=1885, multirail=1985, adaptive=1853, paths="D:4 S:6"),
-    "udp50": dict(n=9, direct=501, relay=932, split50=995, multirail=1009, adaptive=1377, paths="R:2 S:7"),
-    "udp85": dict(n=8, direct=153, relay=931, split50=316, multirail=314, adaptive=927, paths="R:8"),
-    "udp95": dict(n=5, direct=55, relay=820, split50=122, multirail=117, adaptive=804, paths="R:5"),
-    "tcp1": dict(n=9, direct=494, relay=955, split50=959, multirail=948, adaptive=937, paths="R:9"),
-    "tcp3": dict(n=8, direct=243, relay=931, split50=478, multirail=476, adaptive=926, paths="R:8"),
+    "idle": dict(n=10, direct=995, relay=967, split50=1896, multirail=1956, adaptive=1901, paths="S:10"),
+    "udp50": dict(n=9, direct=500, relay=955, split50=1007, multirail=1008, adaptive=1360, paths="S:9"),
+    "udp85": dict(n=8, direct=152, relay=929, split50=312, multirail=311, adaptive=928, paths="R:8"),
+    "udp95": dict(n=5, direct=54, relay=844, split50=108, multirail=113, adaptive=844, paths="R:5"),
+    "tcp1": dict(n=9, direct=494, relay=954, split50=888, multirail=949, adaptive=892, paths="R:9"),
+    "tcp3": dict(n=8, direct=238, relay=931, split50=474, multirail=495, adaptive=934, paths="R:8"),
 }
 
 
@@ -224,11 +225,11 @@ def table_md(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: docs/contention.md "Relay pipeline model" row (idle, the payload sequence): Mbit/s over all
-#: payloads / over payloads <= 16 MiB, and the path per payload
+#: docs/contention.md "Relay pipeline model" row (idle, the payload sequence; the run of commit 912b2c9):
+#: Mbit/s over all payloads / over payloads <= 16 MiB, and the path per payload
 REAL_RELAY_MODEL = {
-    4 << 20: dict(all=1871, small=1440, paths="16:S 1:D 4:D 2:D 8:S 32:S 64:S 16:S 128:S 256:S"),
-    1 << 20: dict(all=1884, small=1567, paths="16:S 1:D 4:S 2:D 8:S 32:S 64:S 16:S 128:S 256:S"),
+    4 << 20: dict(all=1897, small=1667, paths="16:S 1:S 4:S 2:S 8:S 32:S 64:S 16:S 128:S 256:S"),
+    1 << 20: dict(all=1923, small=1705, paths="16:S 1:S 4:S 2:S 8:S 32:S 64:S 16:S 128:S 256:S"),
 }
 
 

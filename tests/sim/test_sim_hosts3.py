@@ -78,9 +78,10 @@ def test_sim_matches_the_measured_ratios(cmp):
     # UDP at 85 %: direct gets the 15 % the UDP flow leaves; adaptive relays every payload
     assert cmp["udp85"]["sim"]["direct"] == pytest.approx(150, rel=0.02)
     assert cmp["udp85"]["sim_paths"] == "R:8"
-    # idle: splits (the measured run, with the selector before equal-finish shares, kept 1-4 MiB
-    # direct because it charged a relay leg a whole 4 MiB chunk of fill whatever its share)
+    # idle: splits every payload, as the measured run (912b2c9, the current selector) did
     assert "SplitPath" in {x["path"] for x in cmp["idle"]["transfers"]["adaptive"]}
+    for sc, r in cmp.items():
+        assert r["sim_paths"] == r["real_paths"], (sc, r["sim_paths"], r["real_paths"])
 
 
 def test_fair_udp_ablation_gives_flexflows_shape():
@@ -90,14 +91,9 @@ def test_fair_udp_ablation_gives_flexflows_shape():
 
 def test_relay_model_ablation_matches_the_real_paths():
     res = hosts3.relay_model_ablation()
-    # the measured runs predate equal-finish split shares: that selector charged a relay leg the
-    # fill of min(request, chunk) and kept some 1-4 MiB payloads direct; today's splits them too,
-    # so the sim splits at least every payload the measured run split
+    # the measured run (912b2c9, the current selector) split every payload under either model
     for chunk in (1 << 20, 4 << 20):
-        sim = res[chunk]["sim"]["paths"].split()
-        real = res[chunk]["real"]["paths"].split()
-        assert len(sim) == len(real)
-        assert all(s == r or r.endswith(":D") for s, r in zip(sim, real)), (sim, real)
+        assert res[chunk]["sim"]["paths"] == res[chunk]["real"]["paths"]
     assert res[1 << 20]["sim"]["small"] > res[4 << 20]["sim"]["small"]
 
 

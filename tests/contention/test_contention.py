@@ -124,7 +124,8 @@ def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
     assert tcp[-1]["elastic_est"][direct_link] >= 0.5, [r["elastic_est"] for r in tcp]
     on_direct = [r for r in tcp if any(leg["kind"] == "direct" and leg["done"] > 0 for leg in r["legs"])]
     assert len(on_direct) >= len(tcp) // 3, [r["decision"] for r in tcp]
+    from flexflow_sglang.monitor.node_agent import ELASTIC_MIN_YIELD
     est = udp[-1]["elastic_est"][direct_link]
-    assert 0.0 <= est < 0.25, [(r["elastic_est"], r["util_at_decision"], r.get("probes")) for r in udp]
+    assert 0.0 <= est < ELASTIC_MIN_YIELD, [(r["elastic_est"], r["util_at_decision"], r.get("probes")) for r in udp]
     direct_bytes = sum(leg["done"] for r in udp for leg in r["legs"] if leg["kind"] == "direct")
     assert direct_bytes < 0.1 * n * len(udp), "transfers must stay off a link whose load does not yield"

@@ -96,27 +96,23 @@ def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
     from flexflow_sglang.bench.contention.lab import ContentionLab
     n = 16 * MiB
 
-    def run(seconds):
-        out, t_end = [], time.monotonic() + seconds
-        while time.monotonic() < t_end:
-            out.append(lab.xfer("adaptive-elastic", n))
-        return out
+    def phase(lab, kind, seconds=3.0, **bg):
+        """Fresh NodeAgent state, background `kind` on n0-n2, adaptive-elastic transfers for `seconds`."""
+        lab.clear()
+        lab.start_background(kind, **bg)
+        try:
+            time.sleep(1.0)
+            out, t_end = [], time.monotonic() + seconds
+            while time.monotonic() < t_end:
+                out.append(lab.xfer("adaptive-elastic", n))
+            return out
+        finally:
+            lab.stop_background()
 
     with ContentionLab(max_bytes=n, log_dir=str(tmp_path / "logs")) as lab:
         direct_link = lab.info["link_ids"]["n0-n2"]
-        lab.start_background("tcp", flows=1)
-        try:
-            time.sleep(1.0)
-            tcp = run(3.0)
-        finally:
-            lab.stop_background()
-        lab.clear()
-        lab.start_background("udp", pct=0.95)
-        try:
-            time.sleep(1.0)
-            udp = run(3.0)
-        finally:
-            lab.stop_background()
+        tcp = phase(lab, "tcp", flows=1)
+        udp = phase(lab, "udp", pct=0.95)
     for r in tcp + udp:
         assert r["complete"] and r["verified"], r
     probes = [p for r in tcp for p in r.get("probes", [])]

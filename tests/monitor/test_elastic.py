@@ -64,15 +64,20 @@ def _quiet(ag, src, foreign, n=3):
         _interval(ag, src, foreign, 0.0)
 
 
+def _leg(ag, src, foreign, own_frac, n=3, nbytes=4 << 20, seconds=0.5):
+    """One of our legs holds the link (a reservation) for n intervals while it moves own_frac."""
+    tok = ag.reserve([0], nbytes, seconds)
+    for _ in range(n):
+        _interval(ag, src, foreign, own_frac)
+    ag.release(tok)
+
+
 def test_yielding_load_offers_a_fair_share_after_a_probe():
     ag, src = _agent()
     _quiet(ag, src, 1.0)
     assert ag.util[0] == pytest.approx(1.0, abs=0.02)
     assert ag.probe_due(0), "a saturated link with no evidence must be probed"
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):  # a greedy TCP flow halves its rate while our leg shares the link
-        _interval(ag, src, 0.5, 0.5)
-    ag.release(tok)
+    _leg(ag, src, 0.5, 0.5)
     _quiet(ag, src, 1.0, n=2)  # it grows back once we leave
     assert ag.elastic_est[0] >= 0.8, ag.elastic_est
     assert not ag.probe_due(0)
@@ -84,10 +89,7 @@ def test_yielding_load_offers_a_fair_share_after_a_probe():
 def test_saturating_load_that_does_not_yield_stays_protected():
     ag, src = _agent(probe_s=0.2)
     _quiet(ag, src, 1.0)
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):  # UDP keeps sending: the queue drops a little of it, our leg gets 5 %
-        _interval(ag, src, 0.95, 0.05)
-    ag.release(tok)
+    _leg(ag, src, 0.95, 0.05)
     _quiet(ag, src, 1.0, n=2)
     assert 0.0 <= ag.elastic_est[0] < na.ELASTIC_MIN_YIELD, ag.elastic_est
     assert ag.util[0] == pytest.approx(1.0, abs=0.02)
@@ -95,20 +97,14 @@ def test_saturating_load_that_does_not_yield_stays_protected():
     first = ag._probe_backoff[0]
     time.sleep(0.25)
     assert ag.probe_due(0), "re-probed after elastic_probe_s"
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):
-        _interval(ag, src, 0.95, 0.05)
-    ag.release(tok)
+    _leg(ag, src, 0.95, 0.05)
     assert ag._probe_backoff[0] == pytest.approx(2 * first), "the back-off doubles while it keeps not yielding"
 
 
 def test_load_below_capacity_that_does_not_yield_is_not_elastic():
     ag, src = _agent()
     _quiet(ag, src, 0.85)
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):  # we only use the 15 % it leaves; its own rate does not move
-        _interval(ag, src, 0.85, 0.15)
-    ag.release(tok)
+    _leg(ag, src, 0.85, 0.15)
     assert 0.0 <= ag.elastic_est[0] < na.ELASTIC_MIN_YIELD
     _quiet(ag, src, 0.85, n=2)
     assert ag.util[0] == pytest.approx(0.85, abs=0.02)
@@ -129,20 +125,14 @@ def test_off_by_default_and_clear_forgets_evidence():
     ag, src = _agent(share=0.0)
     _quiet(ag, src, 1.0)
     assert not ag.probe_due(0)
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):
-        _interval(ag, src, 0.5, 0.5)
-    ag.release(tok)
+    _leg(ag, src, 0.5, 0.5)
     assert ag.elastic_est[0] == -1.0 and ag.elastic_evidence == 0
     _quiet(ag, src, 1.0, n=2)
     assert ag.util[0] == pytest.approx(1.0, abs=0.02)
 
     ag, src = _agent()
     _quiet(ag, src, 1.0)
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):
-        _interval(ag, src, 0.5, 0.5)
-    ag.release(tok)
+    _leg(ag, src, 0.5, 0.5)
     assert ag.elastic_est[0] > 0.5
     _quiet(ag, src, 1.0, n=1)
     ag.clear()
@@ -152,10 +142,7 @@ def test_off_by_default_and_clear_forgets_evidence():
 def test_idle_link_needs_no_probe_and_no_evidence():
     ag, src = _agent()
     _quiet(ag, src, 0.1)
-    tok = ag.reserve([0], 4 << 20, 0.5)
-    for _ in range(3):
-        _interval(ag, src, 0.1, 0.8)
-    ag.release(tok)
+    _leg(ag, src, 0.1, 0.8)
     assert ag.elastic_est[0] == -1.0  # nothing had to yield
     assert not ag.probe_due(0)
 

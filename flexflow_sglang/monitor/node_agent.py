@@ -67,6 +67,9 @@ ELASTIC_NOISE = 0.05
 #: below this yield estimate a link counts as not yielding (probe back-off); above it, the estimate
 #: scales the share we claim (one responsive flow: ~1; three: ~0.5, i.e. our 1/4 of the link)
 ELASTIC_MIN_YIELD = 0.35
+#: weight of one interval's observation in the yield estimate (the first one sets it): one interval
+#: in which our leg starved for CPU, not for the link, must not flip a link's classification
+ELASTIC_ALPHA = 0.3
 #: a link is probed only when its foreign load is at least this (fraction of capacity)
 ELASTIC_PROBE_BUSY = 0.7
 #: an elasticity estimate older than this is re-probed; the probe back-off never exceeds this either
@@ -286,7 +289,7 @@ class NodeAgent:
         else:
             obs = 0.0  # one of our legs tried for the whole interval and got almost nothing
         est = self.elastic_est[l]
-        est = obs if est < 0.0 or now - self._el_t[l] >= ELASTIC_PROBE_MAX_S else 0.5 * est + 0.5 * obs
+        est = obs if est < 0.0 or now - self._el_t[l] >= ELASTIC_PROBE_MAX_S else (1.0 - ELASTIC_ALPHA) * est + ELASTIC_ALPHA * obs
         self.elastic_est[l] = est
         self._el_t[l] = now
         self.elastic_evidence += 1

@@ -117,7 +117,9 @@ def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
         assert r["complete"] and r["verified"], r
     probes = [p for r in tcp for p in r.get("probes", [])]
     assert probes, "a saturated link with no evidence must be probed"
-    assert tcp[-1]["elastic_est"][direct_link] >= 0.5, [r["elastic_est"] for r in tcp]
+    # the estimate moves with every interval one of our legs holds the link; judge its typical value
+    late = sorted(r["elastic_est"][direct_link] for r in tcp[len(tcp) // 2:])
+    assert late[len(late) // 2] >= 0.5, [r["elastic_est"] for r in tcp]
     on_direct = [r for r in tcp if any(leg["kind"] == "direct" and leg["done"] > 0 for leg in r["legs"])]
     assert len(on_direct) >= len(tcp) // 3, [r["decision"] for r in tcp]
     from flexflow_sglang.monitor.node_agent import ELASTIC_MIN_YIELD

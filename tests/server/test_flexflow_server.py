@@ -1,8 +1,9 @@
 """End to end on the real SGLang server (tiny model, CPU): the flexflow backend's outputs byte-equal the
 plain server's, and a repeat after /flush_cache is served from the host tier.
 
-One plain server records the baseline with `python -m flexflow_sglang.verify_outputs --phase baseline`;
-each flexflow configuration then runs `--phase test` (R1 fresh, R2 after /flush_cache) against it:
+A plain server with the same server arguments records the baseline with `python -m
+flexflow_sglang.verify_outputs --phase baseline`; each flexflow configuration then runs `--phase test`
+(R1 fresh, R2 after /flush_cache) against it:
 page size 1, page size 4 with chunked prefill small enough to split long prompts, TP=2 (gloo, one
 core per rank), and several concurrent clients with a host tier smaller than the working set.
 """
@@ -24,13 +25,15 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_outputs_identical_and_host_hits(case, plain_baseline, tiny_model, start_server, tmp_path):
+def test_outputs_identical_and_host_hits(case, plain_baselines, tiny_model, start_server, tmp_path):
+    # the baseline comes from a plain server with the same page size / chunking / TP
+    baseline = plain_baselines(**CASES[case])
     srv = start_server(tiny_model, name=f"flexflow-{case}", radix_cache_backend="flexflow",
                        flexflow_config=write_config(tmp_path, case), max_total_tokens=MAX_TOTAL_TOKENS,
                        extra_args=["--enable-metrics"], **CASES[case])
     report = str(tmp_path / "report.json")
     rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", PROMPTS,
-                                      "--baseline", plain_baseline, "--out", report)
+                                      "--baseline", baseline, "--out", report)
     assert last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
     assert rc == 0
     # the backend really moved the bytes: host-tier loads were counted by the connector

@@ -67,9 +67,11 @@ ELASTIC_NOISE = 0.05
 #: below this yield estimate a link counts as not yielding (probe back-off); above it, the estimate
 #: scales the share we claim (one responsive flow: ~1; three: ~0.5, i.e. our 1/4 of the link)
 ELASTIC_MIN_YIELD = 0.35
-#: weight of one interval's observation in the yield estimate (the first one sets it): one interval
-#: in which our leg starved for CPU, not for the link, must not flip a link's classification
-ELASTIC_ALPHA = 0.3
+#: weight of one interval's observation in the yield estimate (the first one sets it). A leg starved
+#: for CPU (not for the link) reads as "got nothing": with 0.5, two such intervals in a row take a
+#: yielding link below ELASTIC_MIN_YIELD until the next evidence (seen only with other jobs
+#: saturating both cores; the contention figures were measured with 0.5)
+ELASTIC_ALPHA = 0.5
 #: a link is probed only when its foreign load is at least this (fraction of capacity)
 ELASTIC_PROBE_BUSY = 0.7
 #: an elasticity estimate older than this is re-probed; the probe back-off never exceeds this either

@@ -237,7 +237,7 @@ class Leg:
     def inflight(self) -> int:
         raise NotImplementedError
 
-    def _completed(self, n: int, now: float, agent, report: bool, others=()):
+    def _completed(self, n: int, now: float, agent, report: bool):
         # Throughput, not latency: a chunk's interval is the time since the previous completion on
         # this leg (the first chunk also paid the pipeline fill, once per hop). The rate fed back is
         # over the last FEEDBACK_WINDOW intervals: one interval is noisy (poll granularity, a short
@@ -253,7 +253,7 @@ class Leg:
             rate = sum(c[1] for c in win) / max(sum(c[2] for c in win), 1e-6)
             # own bytes: exactly this chunk; seconds: what this chunk took at the windowed rate
             agent.report_transfer(self.links, n, max(n / rate, 1e-6))
-        for o in others:  # the host's other NodeAgents: our bytes, not foreign load (no feedback)
+        for o in self.others:  # the host's other NodeAgents: our bytes, not foreign load (no feedback)
             o.report_progress(self.links, n)
 
 
@@ -280,7 +280,7 @@ class DirectLeg(Leg):
                 break
             self.nixl.release_xfer_handle(h)
             self.q.popleft()
-            self._completed(n, now, node_agent, report, self.others)
+            self._completed(n, now, node_agent, report)
             busy = True
         while not self.stopped and self.todo and len(self.q) < self.window:
             lo, n = self._take()
@@ -330,7 +330,7 @@ class RelayLeg(Leg):
             k = self.acks.popleft()
             n = self.sizes.pop(k, None)
             if n is not None:
-                self._completed(n, now, node_agent, report, self.others)
+                self._completed(n, now, node_agent, report)
                 busy = True
         if self.hop1 is not None:
             st = self.nixl.check_xfer_state(self.hop1)
@@ -564,17 +564,17 @@ class Sender:
             decision = self.selector_el.select(TransferRequest("n0", "n2", nbytes))
         t_sel = time.monotonic() - t_sel
         legs = self._legs(policy, xid, nbytes, decision)
-        agent = self.agent_el if policy == "adaptive-elastic" else self.agent
-        if policy in ADAPTIVE:
+        adaptive = policy in ADAPTIVE
+        elastic = policy == "adaptive-elastic"
+        agent = self.agent_el if elastic else self.agent
+        if adaptive:
             # both adaptive policies' NodeAgents stand for one host's: each counts the other's
             # transfers as our own traffic, not as foreign load that later "yields"
             other = (self.agent if agent is self.agent_el else self.agent_el,)
             for leg in legs:
                 leg.others = other
         util_at = [round(float(x), 4) for x in agent.util]
-        elastic_at = [round(float(x), 3) for x in agent.elastic]
-        adaptive = policy in ADAPTIVE
-        elastic = policy == "adaptive-elastic"
+        elastic_at = [round(float(x), 3) for x in agent.elastic] if elastic else None
         if not elastic:
             self.stop_probe()
         # our own transfer in flight, as the connector's executors count it (docs/selector.md)

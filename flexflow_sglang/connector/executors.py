@@ -7,9 +7,9 @@ Every move is one `TransferRequest(src, dst, bytes)`; the executor carries out t
   CUDA: one stream per subpath, joined with events);
 - NVLinkRelay / CrossNodeRelay / StorageRelay: staged through the relay GPU when this process sees
   it (CUDA, more than one device), otherwise carried out as Direct (debug log).
-Each subpath's bytes and seconds go back to the NodeAgent (`report_transfer`). While a move runs,
-its legs are reserved on the agent (`reserve_decision`, released as each leg ends, or on failure),
-so a concurrent move sees the links as partly busy; bookkeeping errors never fail a move.
+Selecting, reserving, running the legs, releasing and reporting each move is the transfer
+engine's (flexflow_sglang/transfer/engine.py: `TransferEngine.move`, or a `Ticket` for the CUDA
+split whose legs run on concurrent streams); this module only supplies the legs.
 
 Copies are a few large torch ops: per contiguous run of host pages, one `index_select` (gather into a
 strided host view) or `index_copy_` (scatter) per layer and buffer; no per-token Python loops.
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ..errors import TransferError
-from ..selector import PathType, TransferRequest
+from ..selector import PathType
+from ..transfer import MoveStats, TransferEngine
 from .host_tier import contiguous_runs
 from .layout import KVLayout
 
@@ -37,18 +37,12 @@ MAX_DIRECT_RUNS = 8
 CUDA_STAGING_BYTES = 256 << 20
 
 
-@dataclass
-class MoveStats:
-    nbytes: int = 0
-    seconds: float = 0.0
-    path_type: str = ""
-    legs: List[Tuple[str, int, float]] = field(default_factory=list)  # (subpath type, bytes, seconds)
-
-
 class TransferExecutor:
     def __init__(self, layout: KVLayout, selector, agent, device_node: str, host_node: str,
-                 ttft_sensitive: bool = False):
+                 ttft_sensitive: bool = False, engine: "Optional[TransferEngine]" = None):
         self.layout = layout
+        # every move is routed (select, reserve, legs, release, report) by the transfer engine
+        self.engine = engine if engine is not None else TransferEngine(selector, agent, ttft_sensitive=ttft_sensitive)
         self.selector = selector
         self.agent = agent
         self.device_node = device_node
@@ -58,8 +52,6 @@ class TransferExecutor:
         self._cuda = layout.device.type == "cuda"
         self._streams: Dict[int, "torch.cuda.Stream"] = {}
         self.wait_stream = None  # CUDA: the forward stream copies must follow (set by the cache)
-        # bytes and seconds per chosen path type, per direction
-        self.by_type: Dict[str, Dict[str, float]] = {}
 
     # ----------------------------------------------------------------- public moves
     def device_to_host(self, dev_pages: torch.Tensor, dst: torch.Tensor, dst_pages: Sequence[int]) -> MoveStats:
@@ -73,77 +65,40 @@ class TransferExecutor:
     # ----------------------------------------------------------------- decision handling
     def _move(self, direction: str, dev_pages: torch.Tensor, host: torch.Tensor, host_pages: List[int]) -> MoveStats:
         n = len(host_pages)
-        stats = MoveStats()
         if n == 0:
-            return stats
+            return MoveStats()
         if dev_pages.numel() != n:
             raise TransferError(f"{direction}: {dev_pages.numel()} device pages for {n} host pages")
-        nbytes = n * self.layout.page_nbytes
         src, dst = (self.device_node, self.host_node) if direction == "d2h" else (self.host_node, self.device_node)
-        decision = self.selector.select(TransferRequest(src, dst, nbytes, self.ttft_sensitive))
-        stats.path_type = decision.chosen_type.value
-        subs = decision.subpaths
-        # pages per subpath, proportional to its byte share (cumulative rounding: sums to n)
-        bounds, acc, total = [0], 0, sum(s.nbytes for s in subs) or 1
-        for s in subs:
-            acc += s.nbytes
-            bounds.append(round(acc * n / total))
         dev_pages = dev_pages.to(self.layout.device, dtype=torch.long)
-        legs = [(s, bounds[i], bounds[i + 1]) for i, s in enumerate(subs) if bounds[i + 1] > bounds[i]]
-        tokens = self._reserve(decision)
-        try:
-            if self._cuda and len(legs) > 1:
-                self._run_cuda_split(direction, legs, dev_pages, host, host_pages, stats, tokens)
-            else:
-                for sub, i0, i1 in legs:
-                    t0 = time.perf_counter()
-                    self._leg(direction, sub, dev_pages[i0:i1], host, host_pages[i0:i1])
-                    if self._cuda:
+        P = self.layout.page_nbytes
+        if self._cuda:
+            ticket = self.engine.open(src, dst, n * P)
+            try:
+                legs = [(i, sub, u0, u1) for i, sub, u0, u1 in ticket.shares(n)]
+                if len(legs) > 1:
+                    self._run_cuda_split(direction, legs, dev_pages, host, host_pages, ticket)
+                else:
+                    for i, sub, u0, u1 in legs:
+                        t0 = time.perf_counter()
+                        self._leg(direction, sub, dev_pages[u0:u1], host, host_pages[u0:u1])
                         torch.cuda.current_stream(self.layout.device).synchronize()
-                    self._release(tokens, sub)
-                    self._account(sub, (i1 - i0) * self.layout.page_nbytes, time.perf_counter() - t0, stats)
-        finally:
-            self._release(tokens)
-        self._record(stats.path_type, stats.nbytes, stats.seconds)
-        logger.debug("flexflow %s %d pages (%d B) via %s: %s", direction, n, nbytes, stats.path_type, decision.reason)
+                        ticket.leg_done(i, (u1 - u0) * P, time.perf_counter() - t0, report=sub is not None)
+            finally:
+                stats = ticket.close()
+        else:
+            # local copies move each leg in one piece (chunking would only add per-layer op calls)
+            stats = self.engine.move(src, dst, n, P, lambda sub, u0, u1: self._leg(
+                direction, sub, dev_pages[u0:u1], host, host_pages[u0:u1]), chunked=False)
+        logger.debug("flexflow %s %d pages (%d B) via %s", direction, n, n * P, stats.path_type)
         return stats
 
-    def _reserve(self, decision) -> Dict:
-        """Reserve the decision's legs on the agent: {subpath links: token}; {} if that fails."""
-        try:
-            toks = self.agent.reserve_decision(decision)
-            return {tuple(s.links): t for s, t in zip(decision.subpaths, toks)}
-        except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a move
-            logger.debug("flexflow: reserve failed: %r", e)
-            return {}
-
-    def _release(self, tokens: Dict, sub=None) -> None:
-        """Release one leg's reservation (`sub`), or all that are left."""
-        try:
-            if sub is None:
-                toks = list(tokens.values())
-                tokens.clear()
-            else:
-                toks = [tokens.pop(tuple(sub.links), 0)]
-            self.agent.release(toks)
-        except Exception as e:  # noqa: BLE001
-            logger.debug("flexflow: release failed: %r", e)
-
-    def _account(self, sub, nbytes: int, seconds: float, stats: MoveStats) -> None:
-        self.agent.report_transfer(sub.links, nbytes, max(seconds, 1e-9),
-                                  relays=0 if sub.type.value == "Direct" else 1)
-        stats.nbytes += nbytes
-        stats.seconds += seconds
-        stats.legs.append((sub.type.value, nbytes, seconds))
-
-    def _record(self, path_type: str, nbytes: int, seconds: float) -> None:
-        rec = self.by_type.setdefault(path_type, {"moves": 0, "bytes": 0, "seconds": 0.0})
-        rec["moves"] += 1
-        rec["bytes"] += nbytes
-        rec["seconds"] += seconds
+    @property
+    def by_type(self) -> Dict[str, Dict[str, float]]:
+        return self.engine.by_type
 
     def _leg(self, direction: str, sub, dev_pages: torch.Tensor, host: torch.Tensor, host_pages: List[int]) -> None:
-        if sub.type in (PathType.NVLinkRelay, PathType.CrossNodeRelay, PathType.StorageRelay):
+        if sub is not None and sub.type in (PathType.NVLinkRelay, PathType.CrossNodeRelay, PathType.StorageRelay):
             peer = self._relay_device(sub)
             if peer is not None:
                 self._relay_leg(direction, peer, dev_pages, host, host_pages)
@@ -235,12 +190,11 @@ class TransferExecutor:
             self._scatter_run(staging, dev_pages[c0:c1])
         stream.synchronize()  # loads are complete before init_load_back returns
 
-    def _run_cuda_split(self, direction, legs, dev_pages, host, host_pages, stats, tokens=None) -> None:
-        tokens = {} if tokens is None else tokens
+    def _run_cuda_split(self, direction, legs, dev_pages, host, host_pages, ticket) -> None:
         base = torch.cuda.current_stream(self.layout.device)
         done = []
         t0 = time.perf_counter()
-        for k, (sub, i0, i1) in enumerate(legs):
+        for k, (i, sub, i0, i1) in enumerate(legs):
             s = self._streams.get(k)
             if s is None:
                 s = self._streams[k] = torch.cuda.Stream(self.layout.device)
@@ -250,13 +204,12 @@ class TransferExecutor:
                 start.record(s)
                 self._leg(direction, sub, dev_pages[i0:i1], host, host_pages[i0:i1])
                 end.record(s)
-            done.append((sub, i0, i1, start, end))
-        for sub, i0, i1, start, end in done:
+            done.append((i, i0, i1, start, end))
+        for i, i0, i1, start, end in done:
             end.synchronize()
             base.wait_event(end)
-            self._release(tokens, sub)
-            self._account(sub, (i1 - i0) * self.layout.page_nbytes, start.elapsed_time(end) / 1e3, stats)
-        stats.seconds = time.perf_counter() - t0
+            ticket.leg_done(i, (i1 - i0) * self.layout.page_nbytes, start.elapsed_time(end) / 1e3)
+        ticket.stats.seconds = time.perf_counter() - t0
 
     def _relay_device(self, sub) -> Optional[torch.device]:
         if not self._cuda or torch.cuda.device_count() < 2:
@@ -286,31 +239,19 @@ class TransferExecutor:
         torch.cuda.synchronize(peer)
 
     def tier_io(self, src: Optional[str], dst: Optional[str], nbytes: int, fn):
-        """Run a deeper tier's own I/O (`fn()`), routed and accounted like a move: the selector is
-        asked for src -> dst (when both are topology nodes), the elapsed time goes back to the agent
-        over the chosen path's links. Returns fn's result."""
-        topo = self.selector.topology
-        decision = None
-        if nbytes > 0 and src in topo.nodes and dst in topo.nodes and src != dst:
-            try:
-                decision = self.selector.select(TransferRequest(src, dst, nbytes, self.ttft_sensitive))
-            except Exception:  # noqa: BLE001 - no route known: still run the I/O
-                logger.debug("flexflow: no path %s -> %s for tier I/O", src, dst)
-        tokens = self._reserve(decision) if decision is not None else {}
+        """Run a deeper tier's own I/O (`fn()`) as one routed, reserved and reported move over
+        src -> dst (the engine's ticket); returns fn's result."""
+        t = self.engine.open(src, dst, nbytes)
         t0 = time.perf_counter()
         try:
             out = fn()
         finally:
-            self._release(tokens)
-        dt = time.perf_counter() - t0
-        if decision is not None:
-            for sub in decision.subpaths:
-                self.agent.report_transfer(sub.links, sub.nbytes, max(dt, 1e-9),
-                                          relays=0 if sub.type.value == "Direct" else 1)
-            self._record("tier:" + decision.chosen_type.value, nbytes, dt)
+            dt = time.perf_counter() - t0
+            if t.decision is not None:
+                for i, sub in enumerate(t.subpaths):
+                    t.leg_done(i, int(sub.nbytes), dt)
+            t.close("tier:")
         return out
 
     def bandwidth_by_type(self) -> Dict[str, Dict[str, float]]:
-        return {k: {"moves": v["moves"], "bytes": v["bytes"], "seconds": round(v["seconds"], 6),
-                    "gbps": round(v["bytes"] / v["seconds"] / 1e9, 3) if v["seconds"] > 0 else 0.0}
-                for k, v in self.by_type.items()}
+        return self.engine.bandwidth_by_type()

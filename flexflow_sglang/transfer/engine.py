@@ -1,0 +1,363 @@
+"""TransferEngine: the one place where a KV move is selected, reserved, run leg by leg, released
+and reported; and the worker threads that run deep-tier moves off SGLang's scheduler thread.
+
+Routing a move (`open` / `move`):
+  select   PathSelector.select(TransferRequest(src, dst, bytes))
+  reserve  NodeAgent.reserve_decision(decision): concurrent moves see the links as partly busy
+  legs     each subpath gets its byte share of the units (pages), cut into chunks of `chunk_bytes`;
+           the caller's leg function moves one chunk (a wrong share costs only the chunks in flight)
+  release  each leg's reservation as the leg ends, all that are left on failure
+  report   NodeAgent.report_transfer(leg links, bytes, seconds) per leg; bytes/seconds per type
+Executors with their own concurrency (CUDA streams, the remote tier's NIXL legs) use a `Ticket`
+directly: `open()` does select + reserve, `leg_done()` releases and reports one leg, `close()`
+releases the rest. Bookkeeping never fails a move: a failed select runs the move unrouted, a
+failed reservation runs it unreserved.
+
+Background jobs (`submit` / `poll`): a bounded priority queue (fetch, prefetch, spill,
+write-through) served by `workers` daemon threads. The bound is in bytes (`queue_bytes`, the
+staging and copies queued and running jobs hold); a job that does not fit is refused (`submit`
+returns False, counted as dropped) - never a wait. Finished jobs are collected by `poll()` on the
+owner's thread. `mode="sync"` runs every job inline in `submit` (the ablation: today's
+synchronous behaviour).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from .jobs import PRIORITY, Job, JobState, MoveStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_QUEUE_BYTES = 256 << 20
+
+
+class Ticket:
+    """One routed move: its decision and the reservations still held (one per subpath)."""
+    __slots__ = ("engine", "decision", "nbytes", "tokens", "t0", "stats", "closed")
+
+    def __init__(self, engine: "TransferEngine", decision, nbytes: int):
+        self.engine, self.decision, self.nbytes = engine, decision, nbytes
+        self.tokens: Dict[int, int] = {}
+        self.t0 = time.perf_counter()
+        self.stats = MoveStats(path_type=decision.chosen_type.value if decision is not None else "unrouted")
+        self.closed = False
+
+    @property
+    def subpaths(self) -> list:
+        return list(self.decision.subpaths) if self.decision is not None else []
+
+    def shares(self, units: int) -> List[tuple]:
+        """[(subpath index, subpath, u0, u1)]: `units` cut in proportion to the subpaths' bytes
+        (cumulative rounding, so the shares sum to `units`); empty shares are left out."""
+        subs = self.subpaths
+        if not subs:
+            return [(0, None, 0, units)] if units else []
+        bounds, acc, total = [0], 0, sum(s.nbytes for s in subs) or 1
+        for s in subs:
+            acc += s.nbytes
+            bounds.append(round(acc * units / total))
+        return [(i, s, bounds[i], bounds[i + 1]) for i, s in enumerate(subs) if bounds[i + 1] > bounds[i]]
+
+    def leg_done(self, index: int, nbytes: int, seconds: float, *, report: bool = True,
+                 links=None, relays: Optional[int] = None, progress_reported: bool = False) -> None:
+        """Release subpath `index`'s reservation and report its bytes/seconds (never raises).
+        `links` / `relays` override the subpath's (a leg that ran another route than planned)."""
+        eng = self.engine
+        tok = self.tokens.pop(index, 0)
+        subs = self.subpaths
+        sub = subs[index] if 0 <= index < len(subs) else None
+        try:
+            if tok:
+                eng.agent.release([tok])
+        except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a move
+            logger.debug("flexflow transfer: release failed: %r", e)
+        lk = links if links is not None else (sub.links if sub is not None else ())
+        if report and nbytes > 0 and lk:
+            rl = relays if relays is not None else (0 if sub is None or sub.type.value == "Direct" else 1)
+            try:
+                eng.agent.report_transfer(lk, nbytes, max(seconds, 1e-9), relays=rl,
+                                          **({"progress_reported": True} if progress_reported else {}))
+            except Exception as e:  # noqa: BLE001
+                logger.debug("flexflow transfer: report failed: %r", e)
+        self.stats.nbytes += nbytes
+        self.stats.seconds += seconds
+        self.stats.legs.append((sub.type.value if sub is not None else "unrouted", nbytes, seconds))
+
+    def close(self, record: Optional[str] = None) -> MoveStats:
+        """Release whatever is still reserved; record the move under `record` (e.g. "tier:")."""
+        if self.closed:
+            return self.stats
+        self.closed = True
+        toks, self.tokens = list(self.tokens.values()), {}
+        if toks:
+            try:
+                self.engine.agent.release(toks)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("flexflow transfer: release failed: %r", e)
+        if self.decision is not None:
+            self.engine._record((record or "") + self.stats.path_type, self.stats.nbytes, self.stats.seconds)
+        return self.stats
+
+    def __enter__(self) -> "Ticket":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TransferEngine:
+    def __init__(self, selector, agent, *, mode: str = "async", workers: int = 2,
+                 queue_bytes: int = DEFAULT_QUEUE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 ttft_sensitive: bool = False, name: str = "ff-transfer"):
+        if mode not in ("async", "sync"):
+            raise ValueError(f"transfer mode must be 'async' or 'sync', got {mode!r}")
+        self.selector = selector
+        self.agent = agent
+        self.mode = mode
+        self.n_workers = max(1, int(workers))
+        self.queue_bytes = int(queue_bytes)
+        self.chunk_bytes = max(4096, int(chunk_bytes))
+        self.ttft_sensitive = ttft_sensitive
+        self.name = name
+        # bytes and seconds per chosen path type (moves record "<type>", tier I/O "tier:<type>")
+        self.by_type: Dict[str, Dict[str, float]] = {}
+        self._cv = threading.Condition()
+        self._heap: List[tuple] = []
+        self._seq = itertools.count()
+        self._held = 0            # bytes held by queued + running jobs
+        self._running = 0
+        self._finished: List[Job] = []
+        self._threads: List[threading.Thread] = []
+        self._closed = False
+        self.c: Dict[str, int] = {k: 0 for k in ("submitted", "completed", "failed", "dropped", "dropped_bytes",
+                                                 "cancelled", "inline")}
+        self.c_kind: Dict[str, Dict[str, int]] = {}
+
+    # ================================================================= routing (the one place)
+    def open(self, src: Optional[str], dst: Optional[str], nbytes: int, ttft_sensitive: Optional[bool] = None,
+             *, reserve: bool = True) -> Ticket:
+        """select + reserve for src -> dst. When there is no route (an endpoint outside the
+        topology, src == dst, nothing to move, the selector fails) the ticket is unrouted."""
+        decision = None
+        topo = self.selector.topology
+        if nbytes > 0 and src in topo.nodes and dst in topo.nodes and src != dst:
+            from ..selector import TransferRequest
+            try:
+                decision = self.selector.select(TransferRequest(
+                    src, dst, nbytes, self.ttft_sensitive if ttft_sensitive is None else ttft_sensitive))
+            except Exception:  # noqa: BLE001 - no route known: still run the move
+                logger.debug("flexflow transfer: no path %s -> %s", src, dst)
+        t = Ticket(self, decision, nbytes)
+        if decision is not None and reserve:
+            try:
+                toks = self.agent.reserve_decision(decision)
+                t.tokens = {i: tok for i, tok in enumerate(toks) if tok}
+            except Exception as e:  # noqa: BLE001
+                logger.debug("flexflow transfer: reserve failed: %r", e)
+        return t
+
+    def move(self, src: Optional[str], dst: Optional[str], units: int, unit_bytes: int,
+             leg: Callable[[Any, int, int], Any], *, chunked: bool = True, record: str = "",
+             ttft_sensitive: Optional[bool] = None, on_leg_end: Optional[Callable[[Any], None]] = None) -> MoveStats:
+        """Route `units` units of `unit_bytes` from src to dst and run them: `leg(subpath, u0, u1)`
+        moves units [u0, u1) along the subpath (None when unrouted), in chunks of `chunk_bytes`
+        when `chunked`. A chunk whose leg returns an int smaller than its size ends the move
+        (short read: the leading units moved are what counts); the return value is then
+        `MoveStats.nbytes` of what moved. Exceptions propagate after the reservations are released."""
+        t = self.open(src, dst, units * unit_bytes, ttft_sensitive)
+        try:
+            per = max(1, self.chunk_bytes // max(1, unit_bytes)) if chunked else max(1, units)
+            for i, sub, u0, u1 in t.shares(units):
+                t0 = time.perf_counter()
+                moved, short = 0, False
+                for c0 in range(u0, u1, per):
+                    c1 = min(u1, c0 + per)
+                    got = leg(sub, c0, c1)
+                    n = (c1 - c0) if not isinstance(got, int) or isinstance(got, bool) else max(0, min(got, c1 - c0))
+                    moved += n
+                    if n < c1 - c0:
+                        short = True
+                        break
+                if on_leg_end is not None:
+                    on_leg_end(sub)
+                t.leg_done(i, moved * unit_bytes, time.perf_counter() - t0, report=sub is not None)
+                if short:
+                    break
+        finally:
+            stats = t.close(record)
+        return stats
+
+    def _record(self, key: str, nbytes: int, seconds: float) -> None:
+        rec = self.by_type.setdefault(key, {"moves": 0, "bytes": 0, "seconds": 0.0})
+        rec["moves"] += 1
+        rec["bytes"] += nbytes
+        rec["seconds"] += seconds
+
+    def bandwidth_by_type(self) -> Dict[str, Dict[str, float]]:
+        return {k: {"moves": v["moves"], "bytes": v["bytes"], "seconds": round(v["seconds"], 6),
+                    "gbps": round(v["bytes"] / v["seconds"] / 1e9, 3) if v["seconds"] > 0 else 0.0}
+                for k, v in list(self.by_type.items())}
+
+    # ================================================================= background jobs
+    @property
+    def is_async(self) -> bool:
+        return self.mode == "async"
+
+    def fits(self, nbytes: int) -> bool:
+        """Would a job holding `nbytes` be accepted now (check before copying anything for it)."""
+        with self._cv:
+            return self._held + nbytes <= self.queue_bytes or (self._held == 0 and not self._heap)
+
+    def grant(self, job: Job, nbytes: int) -> int:
+        """A running job asks for `nbytes` more (staging it learns it needs); returns what fits."""
+        with self._cv:
+            free = max(0, self.queue_bytes - self._held)
+            got = min(nbytes, free)
+            self._held += got
+            job.nbytes += got
+            return got
+
+    def submit(self, job: Job) -> bool:
+        """Queue `job` (async) or run it now (sync). False: refused (queue full or engine closed);
+        the owner keeps (and undoes) whatever it prepared for it."""
+        k = self.c_kind.setdefault(job.kind, {"submitted": 0, "dropped": 0, "done": 0, "failed": 0})
+        if self._closed:
+            return False
+        if not self.is_async:
+            self.c["inline"] += 1
+            k["submitted"] += 1
+            self._execute(job)
+            with self._cv:
+                self._finished.append(job)
+            return True
+        with self._cv:
+            # one job larger than the whole bound still runs when nothing else is held
+            if self._held + job.nbytes > self.queue_bytes and (self._held or self._heap):
+                self.c["dropped"] += 1
+                self.c["dropped_bytes"] += job.nbytes
+                k["dropped"] += 1
+                return False
+            self._held += job.nbytes
+            job.seq = next(self._seq)
+            heapq.heappush(self._heap, (PRIORITY.get(job.kind, 9), job.seq, job))
+            self.c["submitted"] += 1
+            k["submitted"] += 1
+            while len(self._threads) < self.n_workers:  # started on first use; idle ones wait on the condition
+                self._start_worker()
+            self._cv.notify()
+        return True
+
+    def _start_worker(self) -> None:
+        th = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+        self._threads.append(th)
+        th.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, job = heapq.heappop(self._heap)
+                self._running += 1
+            try:
+                self._execute(job)
+            finally:
+                with self._cv:
+                    self._running -= 1
+                    self._held -= job.nbytes
+                    self._finished.append(job)
+                    self._cv.notify_all()
+
+    def _execute(self, job: Job) -> None:
+        job.state = JobState.RUNNING
+        job.t_start = time.monotonic()
+        try:
+            res = job.run(job)
+        except Exception as e:  # noqa: BLE001 - a failed job is reported, never raised into a worker
+            logger.warning("flexflow transfer: %s job failed: %r", job.kind, e)
+            logger.debug("flexflow transfer: %s job traceback", job.kind, exc_info=True)
+            job._finish(JobState.FAILED, None, repr(e))
+        else:
+            job._finish(JobState.DONE, res)
+
+    def poll(self) -> List[Job]:
+        """Finished jobs since the last poll, in completion order (owner's thread)."""
+        with self._cv:
+            if not self._finished:
+                return []
+            out, self._finished = self._finished, []
+        for job in out:
+            k = self.c_kind.setdefault(job.kind, {"submitted": 0, "dropped": 0, "done": 0, "failed": 0})
+            if job.state == JobState.DONE:
+                self.c["completed"] += 1
+                k["done"] += 1
+            elif job.state == JobState.FAILED:
+                self.c["failed"] += 1
+                k["failed"] += 1
+            else:
+                self.c["cancelled"] += 1
+        return out
+
+    def cancel_queued(self, kinds=None) -> int:
+        """Take queued jobs (of `kinds`, default all) off the queue; they come back CANCELLED from
+        poll() so their owner can undo what it prepared. Running jobs finish."""
+        n = 0
+        with self._cv:
+            keep = []
+            for item in self._heap:
+                job = item[2]
+                if kinds is None or job.kind in kinds:
+                    self._held -= job.nbytes
+                    job._finish(JobState.CANCELLED)
+                    self._finished.append(job)
+                    n += 1
+                else:
+                    keep.append(item)
+            heapq.heapify(keep)
+            self._heap = keep
+        return n
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until nothing is queued or running (True), or until `timeout` seconds (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._heap or self._running:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left if left is not None else 0.5)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel queued jobs, let running ones end (bounded by their own I/O timeouts), stop the
+        workers. Idempotent."""
+        if self._closed:
+            return
+        self.cancel_queued()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        end = time.monotonic() + timeout
+        for th in self._threads:
+            th.join(max(0.0, end - time.monotonic()))
+            if th.is_alive():
+                logger.warning("flexflow transfer: worker %s still running at close", th.name)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> Dict[str, Any]:
+        with self._cv:
+            queued, held, running = len(self._heap), self._held, self._running
+        return dict(self.c, mode=self.mode, workers=len(self._threads), queued=queued, running=running,
+                    held_bytes=held, queue_bytes=self.queue_bytes, by_kind={k: dict(v) for k, v in self.c_kind.items()})

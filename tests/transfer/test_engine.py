@@ -1,0 +1,142 @@
+"""TransferEngine: routing (select -> reserve -> chunked legs -> release -> report) and the bounded
+background job queue, on the real PathSelector and NodeAgent over mock topologies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from flexflow_sglang.monitor import NodeAgent
+from flexflow_sglang.selector import PathSelector, SelectorConfig
+from flexflow_sglang.topology import LinkType, NodeKind, Topology
+from flexflow_sglang.transfer import Job, JobState, TransferEngine
+
+
+def two_rail():
+    t = Topology("two-rail")
+    t.add_node("gpu0", NodeKind.GPU)
+    t.add_node("cpu0", NodeKind.CPU)
+    t.add_link("gpu0", "cpu0", LinkType.PCIE, 10.0)
+    t.add_link("gpu0", "cpu0", LinkType.PCIE, 10.0)
+    return t
+
+
+@pytest.fixture
+def eng():
+    topo = two_rail()
+    agent = NodeAgent(topo, source="mock")
+    e = TransferEngine(PathSelector(topo, agent, SelectorConfig()), agent, chunk_bytes=4096, queue_bytes=1 << 20)
+    yield e
+    e.close()
+
+
+def test_move_splits_chunks_releases_and_reports(eng):
+    calls, seen_reserved = [], []
+    reports = []
+    orig = eng.agent.report_transfer
+    eng.agent.report_transfer = lambda links, n, s, **kw: reports.append((tuple(links), n)) or orig(links, n, s, **kw)
+
+    def leg(sub, u0, u1):
+        calls.append((sub.type.value, u0, u1))
+        seen_reserved.append(eng.agent.in_flight)
+
+    st = eng.move("gpu0", "cpu0", 100, 1 << 20, leg)  # 100 MiB over two equal rails, chunks of 1 unit
+    assert st.path_type == "SplitPath" and len(st.legs) == 2
+    assert sum(b for _, b, _ in st.legs) == 100 << 20
+    assert sorted((u0, u1) for _, u0, u1 in calls)[0] == (0, 1) and len(calls) == 100  # chunked
+    assert {u for _, _, u in calls} >= {50, 100}  # shares meet at 50
+    assert seen_reserved[0] == 2 and eng.agent.in_flight == 0  # both legs reserved, all released
+    assert len(reports) == 2 and {n for _, n in reports} == {50 << 20}
+    assert eng.bandwidth_by_type()["SplitPath"]["bytes"] == 100 << 20
+
+
+def test_short_chunk_ends_the_move(eng):
+    st = eng.move("gpu0", "cpu0", 10, 4096, lambda sub, u0, u1: 0 if u0 >= 3 else u1 - u0, chunked=True)
+    assert st.nbytes == 3 * 4096  # the leading 3 units moved, nothing after the short chunk
+    assert eng.agent.in_flight == 0
+
+
+def test_failing_leg_releases_reservations(eng):
+    def boom(sub, u0, u1):
+        raise OSError("link gone")
+    with pytest.raises(OSError):
+        eng.move("gpu0", "cpu0", 10, 1 << 20, boom)
+    assert eng.agent.in_flight == 0
+
+
+def test_unrouted_move_still_runs(eng):
+    got = []
+    st = eng.move("nvme9", "cpu0", 4, 1024, lambda sub, u0, u1: got.append((sub, u0, u1)))
+    assert got == [(None, 0, 4)] and st.path_type == "unrouted" and st.nbytes == 4 * 1024
+
+
+def test_jobs_run_off_thread_in_priority_order(eng):
+    eng.n_workers = 1
+    gate = threading.Event()
+    order, threads = [], set()
+    assert eng.submit(Job("write_through", lambda j: gate.wait(5) and order.append("blocker")))
+    time.sleep(0.05)  # the blocker occupies the worker; the rest queue behind it
+    for k in ("write_through", "spill", "prefetch", "fetch"):
+        assert eng.submit(Job(k, (lambda k: lambda j: order.append(k) or threads.add(threading.current_thread()))(k)))
+    gate.set()
+    assert eng.drain(5)
+    done = eng.poll()
+    assert len(done) == 5 and all(j.state == JobState.DONE for j in done)
+    assert order == ["blocker", "fetch", "prefetch", "spill", "write_through"]
+    assert threading.current_thread() not in threads
+
+
+def test_full_queue_drops_never_blocks(eng):
+    gate = threading.Event()
+    big = Job("write_through", lambda j: gate.wait(5), nbytes=900 << 10)
+    assert eng.submit(big)
+    t0 = time.perf_counter()
+    assert not eng.submit(Job("spill", lambda j: None, nbytes=200 << 10))  # 900 + 200 KiB > 1 MiB
+    assert time.perf_counter() - t0 < 0.05
+    assert eng.submit(Job("spill", lambda j: None, nbytes=100 << 10))
+    st = eng.stats()
+    assert st["dropped"] == 1 and st["dropped_bytes"] == 200 << 10 and st["held_bytes"] == 1000 << 10
+    assert eng.grant(big, 1 << 20) == 24 << 10  # a running job can grow only into what is left
+    gate.set()
+    assert eng.drain(5) and eng.stats()["held_bytes"] == 0
+
+
+def test_failed_and_cancelled_jobs_come_back(eng):
+    gate = threading.Event()
+    eng.n_workers = 1
+    assert eng.submit(Job("write_through", lambda j: gate.wait(5)))
+    bad = Job("fetch", lambda j: 1 / 0)
+    queued = Job("spill", lambda j: None)
+    assert eng.submit(bad) and eng.submit(queued)
+    time.sleep(0.05)
+    assert eng.cancel_queued(kinds={"spill"}) == 1
+    gate.set()
+    assert eng.drain(5)
+    states = {j.kind: j.state for j in eng.poll()}
+    assert states == {"write_through": JobState.DONE, "fetch": JobState.FAILED, "spill": JobState.CANCELLED}
+    assert "ZeroDivisionError" in bad.error
+
+
+def test_sync_mode_runs_inline():
+    topo = two_rail()
+    agent = NodeAgent(topo, source="mock")
+    e = TransferEngine(PathSelector(topo, agent, SelectorConfig()), agent, mode="sync")
+    where = []
+    j = Job("write_through", lambda j: where.append(threading.current_thread()))
+    assert e.submit(j) and j.finished and where == [threading.current_thread()]
+    assert e.poll() == [j] and not e._threads
+    with pytest.raises(ValueError, match="mode"):
+        TransferEngine(None, None, mode="later")
+
+
+def test_close_cancels_and_refuses(eng):
+    gate = threading.Event()
+    eng.n_workers = 1
+    assert eng.submit(Job("write_through", lambda j: gate.wait(0.2)))
+    q = Job("spill", lambda j: None)
+    assert eng.submit(q)
+    eng.close()
+    assert q.state == JobState.CANCELLED and not eng.submit(Job("spill", lambda j: None))
+    assert all(not th.is_alive() for th in eng._threads)

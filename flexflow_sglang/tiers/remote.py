@@ -31,10 +31,18 @@ each completed leg to the selector's NodeAgent. `relay_peers` are tier servers u
 Integrity: the writer sends a CRC32 per page; the server returns it with every pinned page, and
 get_many_into() checks each page before it counts: k = leading pages loaded AND verified. A page
 that fails the check is dropped on the server (RELEASE carries it) and counted.
+
+Shared-secret mode (`secret`, tiers/trust.py): every frame carries an HMAC tag, and every page a
+keyed MAC of (key, bytes) made by its writer and checked by its reader, so neither a server nor a
+NIXL peer without the secret can pass a forged page. Routing is off in this mode (relays would need
+the secret too). A call names at most wire.MAX_KEYS_PER_FRAME keys per peer: longer prefixes are
+cut there (a shorter hit, never a wrong one). A connection the server closed while idle is noticed
+before use and reopened in the same call.
 """
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -44,7 +52,9 @@ import numpy as np
 
 from .base import (as_pages, check_keys, make_agent, page_checksums, post_xfer, rendezvous_rank,
                    unique_agent_name, wait_xfers)
-from .wire import Frame, MsgType, WireError, int_list, pack_keys, parse_hostport, read_frame, write_frame
+from .trust import MAC_LEN, FrameAuth, PageMac
+from .wire import (MAX_KEYS_PER_FRAME, Frame, MsgType, WireError, int_list, pack_keys, parse_hostport, read_frame,
+                   write_frame)
 
 log = logging.getLogger("flexflow_sglang.tiers.remote")
 
@@ -54,6 +64,7 @@ class _Peer:
         self.addr = addr
         self.host, self.port = parse_hostport(addr)
         self.sock: Optional[socket.socket] = None
+        self.auth: Optional[FrameAuth] = None  # shared-secret state of this connection
         self.agent_name: Optional[str] = None  # the server's NIXL agent
         self.md: Optional[bytes] = None
         self.loaded_gen = -1                   # our agent generation that has its metadata
@@ -77,6 +88,18 @@ class _Peer:
             except OSError:
                 pass
             self.sock = None
+        self.auth = None
+
+    def stale(self) -> bool:
+        """The server closed this idle connection (idle deadline, room for a new client), or sent
+        something unasked: reconnect instead of failing the next request on it."""
+        if self.sock is None:
+            return False
+        try:
+            r, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(r)  # readable while no request is outstanding: EOF, or an ERROR before closing
 
 
 class _Stage:
@@ -93,7 +116,8 @@ class RemoteTier:
     def __init__(self, peers: Sequence[str], timeout_ms: float = 2000.0, retry_after_s: float = 10.0,
                  node: Optional[str] = None, client_name: str = "ffremote", max_parked_mb: float = 1024.0,
                  selector=None, local_node: Optional[str] = None, peer_nodes: Optional[Dict[str, str]] = None,
-                 relay_peers: Sequence[str] = (), relay_chunk_bytes: Optional[int] = None):
+                 relay_peers: Sequence[str] = (), relay_chunk_bytes: Optional[int] = None,
+                 secret: Optional[bytes] = None):
         """`node`: the topology node where the bytes live (what the connector routes tier I/O to).
         Routing: `selector` (a PathSelector; its `agent` gets the per-leg feedback), `local_node`
         (this process's topology node), `peer_nodes` ({"host:port": node}; default: the node a
@@ -128,6 +152,11 @@ class RemoteTier:
                       read_s=0.0, write_s=0.0)
         self._last_bw = 0.0
         self._router = None
+        self._secret = secret
+        self._pagemac = PageMac(secret) if secret else None
+        if selector is not None and secret:
+            log.warning("remote tier: routing is not available in shared-secret mode; transfers go direct")
+            selector = None
         if selector is not None:
             if not local_node or local_node not in selector.topology.nodes:
                 raise ValueError(f"RemoteTier: a selector needs local_node, a node of its topology (got {local_node!r})")
@@ -268,16 +297,21 @@ class RemoteTier:
         pending = []
         for pid in pids:
             p = self._peers[pid]
+            if p.stale():  # reconnect; the server's agent (metadata) is unchanged
+                p.close()
             if p.sock is not None and (P is None or p.page_nbytes):
                 continue
             try:
+                hello = {"client": self._client_name, "page_nbytes": P or 0}
                 if p.sock is None:
                     left = max(0.001, deadline - time.monotonic())
                     s = socket.create_connection((p.host, p.port), timeout=left)
                     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     p.sock = s
-                write_frame(p.sock, MsgType.HELLO, {"client": self._client_name, "page_nbytes": P or 0},
-                            deadline=deadline)
+                    if self._secret:
+                        p.auth = FrameAuth(self._secret, "c")
+                        hello["nonce"] = p.auth.nonce.hex()
+                write_frame(p.sock, MsgType.HELLO, hello, deadline=deadline, auth=p.auth)
                 pending.append(pid)
             except TimeoutError:
                 self._mark_down(pid, "connect timed out", timeout=True)
@@ -289,6 +323,11 @@ class RemoteTier:
             if f is None:
                 continue
             try:
+                if p.auth is not None and p.auth.nonce:  # the HELLO that opened this connection
+                    if f.body.get("cnonce") != p.auth.nonce.hex():
+                        raise ValueError("HELLO_OK does not answer our nonce")
+                    p.auth.start_session(p.auth.nonce, bytes.fromhex(f.body["nonce"]))
+                    p.auth.nonce = b""  # the session is established: later HELLOs carry no nonce
                 p.agent_name = str(f.body["agent"])
                 p.page_nbytes = int(f.body["page_nbytes"]) or None
                 p.node = str(f.body.get("node", p.host))
@@ -333,7 +372,7 @@ class RemoteTier:
             return None
         try:
             # a peer that answered in time is read even when another peer used up the deadline
-            f = read_frame(p.sock, max(deadline, time.monotonic() + 0.005))
+            f = read_frame(p.sock, max(deadline, time.monotonic() + 0.005), auth=p.auth)
         except TimeoutError:
             self._mark_down(pid, "control channel timed out", timeout=True)
             return None
@@ -354,7 +393,7 @@ class RemoteTier:
             if p.sock is None:
                 continue
             try:
-                write_frame(p.sock, t, body, blob, deadline=deadline)
+                write_frame(p.sock, t, body, blob, deadline=deadline, auth=p.auth)
                 sent.append(pid)
             except TimeoutError:
                 self._mark_down(pid, "control channel send timed out", timeout=True)
@@ -372,7 +411,7 @@ class RemoteTier:
         if p.sock is None:
             return
         try:
-            write_frame(p.sock, t, body, deadline=time.monotonic() + self.timeout_s)
+            write_frame(p.sock, t, body, deadline=time.monotonic() + self.timeout_s, auth=p.auth)
         except TimeoutError:
             self._mark_down(pid, "control channel send timed out", timeout=True)
         except (OSError, WireError) as e:
@@ -447,7 +486,7 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ protocol
     def contains_prefix(self, keys: List[bytes]) -> int:
-        keys = check_keys(keys)
+        keys = check_keys(keys)[:MAX_KEYS_PER_FRAME]
         with self._lock:
             if self._closed or not keys or not self._peers:
                 return 0
@@ -472,7 +511,7 @@ class RemoteTier:
         return max(0, min(n, c)) if isinstance(c, int) else 0
 
     def get_many_into(self, keys: List[bytes], out) -> int:
-        keys = check_keys(keys)
+        keys = check_keys(keys)[:MAX_KEYS_PER_FRAME]
         if not keys:
             return 0
         out = as_pages(out, len(keys), writable=True, what="out")
@@ -493,7 +532,7 @@ class RemoteTier:
                 klen, blob = pack_keys([keys[i] for i in groups[pid]])
                 reqs[pid] = (MsgType.LOOKUP, {"klen": klen, "n": len(groups[pid]), "pin": True}, blob)
             rep = self._rpc_all(reqs, deadline, MsgType.LOOKUP_OK)
-            counts, leases, addrs, sums = {}, {}, {}, {}
+            counts, leases, addrs, sums, macs = {}, {}, {}, {}, {}
             for pid, f in rep.items():
                 try:
                     c = self._count(f, len(groups[pid]))
@@ -501,6 +540,10 @@ class RemoteTier:
                     s_ = int_list(f.body, "sums")[:c]
                     if len(a_) < c or len(s_) < c:
                         raise WireError("LOOKUP_OK lists are short")
+                    if self._pagemac is not None:
+                        if len(f.blob) < c * MAC_LEN:
+                            raise WireError("LOOKUP_OK without page MACs")
+                        macs[pid] = [f.blob[j * MAC_LEN:(j + 1) * MAC_LEN] for j in range(c)]
                 except WireError as e:
                     self._mark_down(pid, f"bad LOOKUP_OK: {e}")
                     continue
@@ -527,7 +570,8 @@ class RemoteTier:
                         continue
                     got = page_checksums(stage, len(rows), rows)
                     for j, r in enumerate(rows):
-                        if got[j] == (sums[pid][j] & 0xFFFFFFFF):
+                        if got[j] == (sums[pid][j] & 0xFFFFFFFF) and (
+                                self._pagemac is None or self._pagemac.mac(keys[r], stage[r]) == macs[pid][j]):
                             okrow[r] = True
                         else:
                             self.c["corrupt_dropped"] += 1
@@ -562,7 +606,7 @@ class RemoteTier:
     def put_many(self, keys: List[bytes], pages) -> int:
         """Returns the number of leading keys held by the peers after the call (already present
         pages count)."""
-        keys = check_keys(keys)
+        keys = check_keys(keys)[:MAX_KEYS_PER_FRAME]
         if not keys:
             return 0
         pages = as_pages(pages, len(keys))
@@ -586,7 +630,11 @@ class RemoteTier:
             for pid in usable:
                 idx = groups[pid]
                 klen, blob = pack_keys([keys[i] for i in idx])
-                reqs[pid] = (MsgType.PUT, {"klen": klen, "n": len(idx), "sums": [sums[i] for i in idx]}, blob)
+                body = {"klen": klen, "n": len(idx), "sums": [sums[i] for i in idx]}
+                if self._pagemac is not None:  # the page MACs follow the keys
+                    body["mac"] = MAC_LEN
+                    blob += b"".join(self._pagemac.macs([keys[i] for i in idx], pages, idx))
+                reqs[pid] = (MsgType.PUT, body, blob)
             rep = self._rpc_all(reqs, deadline, MsgType.PUT_OK)
             present = np.zeros(n, dtype=bool)
             plans, leases = {}, {}

@@ -16,6 +16,17 @@ created only when torch.cuda is available and libcufile loads; GDS_MT never.
 The index (name -> size, in LRU order) is rebuilt at start by scanning headers, so pages stored
 by an earlier process are hits. Anything that fails validation (truncated, corrupt, foreign
 version, foreign fingerprint, wrong size, vanished) is a miss, is deleted, and is counted.
+
+Odd entries: only regular files owned by us are pages. A directory, FIFO, socket, device or symlink
+with a page name is skipped and logged (`odd_skipped`), never opened in blocking mode (every open is
+O_NONBLOCK | O_NOFOLLOW and checked with fstat before a byte is read), so one bad entry can neither
+hang nor take down the tier. A page file with group/other permission bits is tightened to 0600 and
+logged (`modes_tightened`); in read-only mode it is refused instead.
+
+read_only=True serves the pages already there and writes nothing (no temp files, no deletions, no
+mode changes, a shared lock when .lock exists). fsync=True makes put_many's return a durability
+promise (file + directory fsync before the rename is reported); without it a power loss may lose
+recently written pages, which the next start then drops as truncated: a miss, never a wrong page.
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ import fcntl
 import logging
 import os
 import re
+import stat as _stat
 import struct
 import threading
 import time
@@ -47,10 +59,32 @@ HDR = HEADER.size  # 64
 assert HDR == 64
 _NAME_RE = re.compile(r"^[0-9a-f]{32}\.kv$")
 _GIB = 1 << 30
+# every open of an entry: never follow a link, never block (a FIFO opened O_RDONLY would wait for a writer)
+_RD_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class StorageTierError(FlexFlowError):
     """The storage directory cannot be used (owned by someone else, locked by another process)."""
+
+
+def _open_regular(path: str) -> Tuple[Optional[int], str]:
+    """(fd, "") of a regular file, else (None, why). Never blocks, never follows a link."""
+    try:
+        fd = os.open(path, _RD_FLAGS)
+    except OSError as e:
+        return None, f"open: {e.strerror}"
+    try:
+        st = os.fstat(fd)
+    except OSError as e:  # pragma: no cover
+        os.close(fd)
+        return None, f"fstat: {e.strerror}"
+    if not _stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None, f"not a regular file (mode {_stat.filemode(st.st_mode)})"
+    if st.st_uid != os.getuid():
+        os.close(fd)
+        return None, f"not a regular file of ours (owned by uid {st.st_uid})"
+    return fd, ""
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -123,9 +157,8 @@ class StorageTier:
         except OSError:
             return None
         for nm in names[:16]:
-            try:
-                fd = os.open(os.path.join(path, nm), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
+            fd, _ = _open_regular(os.path.join(path, nm))
+            if fd is None:
                 continue
             try:
                 raw = os.pread(fd, HDR, 0)
@@ -141,16 +174,19 @@ class StorageTier:
     def __init__(self, path: str, capacity_gb: float = 10.0, backend: str = "auto",
                  eviction: str = "lru", fingerprint: str = "", page_nbytes: Optional[int] = None,
                  node: str = "nvme0", capacity_bytes: Optional[int] = None,
-                 disk_full_retry_s: float = 60.0):
+                 disk_full_retry_s: float = 60.0, read_only: bool = False, fsync: bool = False):
         if backend not in ("auto", "posix", "gds"):
             raise ValueError(f"storage_tier.backend must be auto|posix|gds, got {backend!r}")
         if eviction != "lru":
             raise ValueError(f"storage_tier.eviction must be 'lru', got {eviction!r}")
         self.node = node
         self.path = os.path.abspath(os.path.expanduser(path))
-        self.capacity_bytes = int(capacity_bytes if capacity_bytes is not None else capacity_gb * _GIB)
-        if self.capacity_bytes < 0:
-            raise ValueError("storage tier capacity must be >= 0")
+        cap = capacity_bytes if capacity_bytes is not None else capacity_gb * _GIB
+        if not isinstance(cap, (int, float)) or cap != cap or not 0 <= cap <= 1 << 60:
+            raise ValueError(f"storage tier capacity must be in [0, 2^60] bytes, got {cap!r}")
+        self.capacity_bytes = int(cap)
+        self.read_only = bool(read_only)
+        self.fsync = bool(fsync)
         self.page_nbytes = page_nbytes
         self.fingerprint = fingerprint
         self._fp = fingerprint_hash(fingerprint)
@@ -164,7 +200,8 @@ class StorageTier:
         self._c: Dict[str, float] = dict(
             hits=0, misses=0, bytes_read=0, bytes_written=0, pages_written=0, failures=0,
             corrupt_dropped=0, scan_dropped=0, size_mismatch=0, evictions=0, disk_full=0, writes_skipped=0,
-            nixl_fallbacks=0, read_s=0.0, write_s=0.0)
+            nixl_fallbacks=0, odd_skipped=0, modes_tightened=0, read_only_skipped=0, fsyncs=0,
+            read_s=0.0, write_s=0.0)
         self._prepare_dir()
         self._agent = None
         self._bk = "os"
@@ -175,20 +212,56 @@ class StorageTier:
 
     # ------------------------------------------------------------------ setup
     def _prepare_dir(self) -> None:
-        os.makedirs(self.path, mode=0o700, exist_ok=True)
-        st = os.stat(self.path)
+        self._lock_fd = -1
+        if self.read_only:
+            return self._prepare_dir_ro()
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StorageTierError(f"storage tier directory {self.path}: cannot create it ({e.strerror}); "
+                                   "for a read-only copy set storage_tier.read_only: true") from None
+        st = os.lstat(self.path)
+        if not _stat.S_ISDIR(st.st_mode):
+            raise StorageTierError(f"storage tier path {self.path} is not a directory")
         if st.st_uid != os.getuid():
             raise StorageTierError(f"storage tier directory {self.path} is owned by uid {st.st_uid}, "
                                    f"not {os.getuid()}")
-        if st.st_mode & 0o077:
-            log.warning("storage tier directory %s had mode %o; setting 0700", self.path, st.st_mode & 0o777)
-            os.chmod(self.path, 0o700)
-        self._lock_fd = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if st.st_mode & 0o077:
+                log.warning("storage tier directory %s had mode %o; setting 0700", self.path, st.st_mode & 0o777)
+                os.chmod(self.path, 0o700)
+            self._lock_fd = os.open(os.path.join(self.path, ".lock"),
+                                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError as e:
+            raise StorageTierError(f"storage tier directory {self.path} is not writable ({e.strerror}); "
+                                   "to serve its pages without writing set storage_tier.read_only: true") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
             raise StorageTierError(f"storage tier directory {self.path} is in use by another process")
+
+    def _prepare_dir_ro(self) -> None:
+        """Read-only: the directory must exist; nothing is created or changed. A shared lock on an
+        existing .lock keeps a writer from starting beside us (and us beside a writer)."""
+        try:
+            st = os.lstat(self.path)
+        except OSError as e:
+            raise StorageTierError(f"storage tier directory {self.path} (read-only): {e.strerror}") from None
+        if not _stat.S_ISDIR(st.st_mode):
+            raise StorageTierError(f"storage tier path {self.path} is not a directory")
+        if st.st_mode & 0o077:
+            log.warning("storage tier directory %s (read-only) has mode %o: other users can see its "
+                        "files; read-only mode does not change it", self.path, st.st_mode & 0o777)
+        fd, _ = _open_regular(os.path.join(self.path, ".lock"))
+        if fd is None:
+            return  # no lock file (e.g. a copy on read-only media): nobody writes here
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise StorageTierError(f"storage tier directory {self.path} is being written by another process")
+        self._lock_fd = fd
 
     def _init_backend(self, requested: str) -> None:
         nixl_agent, _, why = load_nixl()
@@ -212,41 +285,75 @@ class StorageTier:
             self._agent, self._bk = agent, "POSIX"
         log.info("storage tier %s: NIXL %s backend", self.path, self._bk)
 
+    def _odd(self, nm: str, why: str) -> None:
+        """An entry with a page (or temp) name that is not a regular file of ours: skipped, never
+        deleted (it is not ours to remove), logged once per entry and counted."""
+        self._c["odd_skipped"] += 1
+        log.warning("storage tier %s: skipping %s (%s)", self.path, nm, why)
+
     def _scan(self) -> None:
         entries = []
+        uid = os.getuid()
         with os.scandir(self.path) as it:
             for e in it:
                 nm = e.name
-                if nm.startswith(".tmp."):
-                    self._unlink(nm)  # a write that never completed (crash); we hold the dir lock
+                is_tmp = nm.startswith(".tmp.")
+                if not is_tmp and not _NAME_RE.match(nm):
                     continue
-                if not _NAME_RE.match(nm):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # vanished
+                if not _stat.S_ISREG(st.st_mode):
+                    self._odd(nm, f"not a regular file: {_stat.filemode(st.st_mode)}")
+                    continue
+                if st.st_uid != uid:
+                    self._odd(nm, f"owned by uid {st.st_uid}, not {uid}")
+                    continue
+                if is_tmp:
+                    if not self.read_only:
+                        self._unlink(nm)  # a write that never completed (crash); we hold the dir lock
                     continue
                 reason = self._check_file(nm)
-                if reason:
-                    log.info("storage tier: dropping %s at start (%s)", nm, reason)
-                    self._unlink(nm)
-                    self._c["scan_dropped"] += 1
+                if reason == "odd":
                     continue
-                st = e.stat(follow_symlinks=False)
+                if reason:
+                    self._c["scan_dropped"] += 1
+                    if self.read_only:
+                        log.info("storage tier: ignoring %s at start (%s; read-only)", nm, reason)
+                    else:
+                        log.info("storage tier: dropping %s at start (%s)", nm, reason)
+                        self._unlink(nm)
+                    continue
                 entries.append((st.st_mtime_ns, nm, st.st_size))
         entries.sort()
         self._last_stamp = max([e[0] for e in entries] + [0])
         for _, nm, size in entries:
             self._index[nm] = size
             self._used += size
-        self._evict_to(self.capacity_bytes, protect=())
+        if not self.read_only:
+            self._evict_to(self.capacity_bytes, protect=())
         if entries:
             log.info("storage tier %s: %d pages (%d bytes) from an earlier run", self.path,
                      len(self._index), self._used)
 
     def _check_file(self, nm: str) -> str:
-        try:
-            fd = os.open(os.path.join(self.path, nm), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            return f"open: {e.strerror}"
+        """"" when `nm` is a valid page, "odd" when it was skipped as not ours, else why it is bad."""
+        fd, why = _open_regular(os.path.join(self.path, nm))
+        if fd is None:
+            if why.startswith("not a regular"):  # swapped between scandir and open
+                self._odd(nm, why)
+                return "odd"
+            return why
         try:
             st = os.fstat(fd)
+            if st.st_mode & 0o077:
+                if self.read_only:
+                    self._odd(nm, f"mode {st.st_mode & 0o777:o} is readable by others; refused in read-only mode")
+                    return "odd"
+                os.fchmod(fd, 0o600)
+                self._c["modes_tightened"] += 1
+                log.warning("storage tier %s: %s had mode %o; set to 0600", self.path, nm, st.st_mode & 0o777)
             raw = os.pread(fd, HDR, 0)
             _, reason = parse_header(raw, self._fp, bytes.fromhex(nm[:32]), self.page_nbytes)
             if reason:
@@ -270,11 +377,12 @@ class StorageTier:
         except OSError as e:
             log.warning("storage tier: cannot delete %s: %s", nm, e)
 
-    def _drop(self, nm: str, corrupt: bool) -> None:
+    def _drop(self, nm: str, corrupt: bool, unlink: bool = True) -> None:
         size = self._index.pop(nm, None)
         if size is not None:
             self._used -= size
-        self._unlink(nm)
+        if unlink and not self.read_only:
+            self._unlink(nm)
         if corrupt:
             self._c["corrupt_dropped"] += 1
 
@@ -379,10 +487,12 @@ class StorageTier:
             t0 = time.perf_counter()
             try:
                 for nm in names:  # open the leading files; a vanished or mis-sized one ends the run
-                    try:
-                        fd = os.open(os.path.join(self.path, nm), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    except OSError:
-                        self._drop(nm, corrupt=True)
+                    fd, why = _open_regular(os.path.join(self.path, nm))
+                    if fd is None:  # vanished, or swapped for a FIFO/dir/link: forget it, delete no odd entry
+                        odd = why.startswith("not a regular")
+                        if odd:
+                            self._odd(nm, why)
+                        self._drop(nm, corrupt=True, unlink=not odd)
                         break
                     st_size = os.fstat(fd).st_size
                     if st_size != size:
@@ -444,6 +554,12 @@ class StorageTier:
             if self.page_nbytes is not None and P != self.page_nbytes:
                 raise ValueError(f"storage tier page_nbytes is {self.page_nbytes}, got pages of {P}")
             names = [self._name(k) for k in keys]
+            if self.read_only:
+                n = 0
+                while n < len(names) and names[n] in self._index:
+                    n += 1
+                self._c["read_only_skipped"] += sum(1 for nm in names if nm not in self._index)
+                return n
             todo: List[int] = []
             seen = set()
             for i, nm in enumerate(names):
@@ -529,11 +645,21 @@ class StorageTier:
                     for _, tmp, _ in tmps:
                         self._unlink(tmp)
                     return
-            for fd, tmp, nm in tmps:
+            for fd, _, _ in tmps:
                 self._stamp(fd)
+                if self.fsync:  # the data, before the name that makes it a page
+                    os.fsync(fd)
+            for fd, tmp, nm in tmps:
                 os.rename(os.path.join(self.path, tmp), os.path.join(self.path, nm))
                 self._index[nm] = size
                 self._used += size
+            if self.fsync:  # the renames themselves
+                dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+                self._c["fsyncs"] += n + 1
             self._c["pages_written"] += n
             self._c["bytes_written"] += n * P
             self._c["write_s"] += time.perf_counter() - t0
@@ -551,6 +677,8 @@ class StorageTier:
     def _stamp(self, fd: int) -> None:
         """mtime = a strictly increasing use stamp, so the LRU order (even within one batch)
         survives a restart: the start-up scan sorts by mtime."""
+        if self.read_only:
+            return
         self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
         try:
             os.utime(fd, ns=(self._last_stamp, self._last_stamp))
@@ -574,7 +702,7 @@ class StorageTier:
             for k in keys:
                 nm = self._name(k)
                 if nm in self._index:
-                    self._drop(nm, corrupt=False)
+                    self._drop(nm, corrupt=False)  # read-only: forgotten, the file stays
 
     def stats(self) -> dict:
         with self._lock:
@@ -586,6 +714,7 @@ class StorageTier:
                 name=self.name, node=self.node, path=self.path,
                 backend=("nixl-" + self._bk.lower()) if self._agent is not None else "os",
                 pages=len(self._index), used_bytes=self._used, capacity_bytes=self.capacity_bytes,
+                read_only=self.read_only, fsync=self.fsync,
                 bytes=int(self._c["bytes_read"] + self._c["bytes_written"]),
                 write_degraded=time.monotonic() < self._degraded_until,
                 read_gbps=(self._c["bytes_read"] / self._c["read_s"] / 1e9) if self._c["read_s"] else 0.0,
@@ -605,6 +734,8 @@ class StorageTier:
                     pass
             self._hdr_reg = None
             self._agent = None
+            if self._lock_fd < 0:
+                return
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             finally:

@@ -2,62 +2,86 @@
 tier) and serves them to peers' RemoteTier clients.
 
     python -m flexflow_sglang.tiers.tier_server --listen 127.0.0.1:PORT --capacity-gb X \
-        [--storage-path DIR] [--page-nbytes N] [--ready-file F]
+        [--storage-path DIR] [--page-nbytes N] [--ready-file F] [--secret-file F]
 
 Control channel: TCP, frames of flexflow_sglang.tiers.wire, one thread per connection. Data: the
 client is the NIXL (UCX) initiator: it READs pinned slots and WRITEs into slots this server
 allocated; the server only registers its buffer, hands out its agent metadata and keeps the UCX
 worker progressing (1 ms polls while any lease is open, 20 ms otherwise).
 
-Slots: the buffer is cut into slots of one page size, fixed by --page-nbytes or by the first
-HELLO; a client with another page size gets an ERROR. LRU eviction over unpinned slots. Leases
-(pins of a LOOKUP, reservations of a PUT) end with RELEASE/COMMIT, when the connection closes, or
-after --lease-ttl-s. Binds 127.0.0.1 unless --listen says otherwise.
+Slots: the buffer is cut into slots of one page size, fixed by --page-nbytes (or the page files of
+--storage-path); without either, the first HELLO within MIN_PAGE_NBYTES..min(capacity, 256 MiB)
+fixes it (a single-tenant convenience: a shared server should pass --page-nbytes). A client with
+another page size gets an ERROR. Slot metadata lives in numpy arrays (~13 bytes per slot) plus one
+index entry per stored page. LRU eviction over unpinned slots. Leases (pins of a LOOKUP,
+reservations of a PUT) belong to the connection that took them: only it can COMMIT or RELEASE them;
+they end then, when that connection closes, or after --lease-ttl-s. Binds 127.0.0.1 unless --listen
+says otherwise.
+
+Hostile or broken clients: a connection that sends no frame for --idle-timeout-s, or takes longer
+than --frame-timeout-s for one frame once it started (slowloris), or does not read its replies, is
+cut. Client frames are read with tight limits (wire.SERVER_MAX_JSON / SERVER_MAX_BLOB, at most
+wire.MAX_KEYS_PER_FRAME keys), so one connection holds a bounded amount of memory (docs/tiers.md).
+When --max-conns connections are open, a new one takes the place of the one idle the longest.
+--secret-file (or $FLEXFLOW_TIER_SECRET): shared-secret mode (tiers/trust.py): HMAC on every frame,
+a MAC stored and returned with every page; relaying is then off.
 
 CrossNodeRelay (RELAY_GET / RELAY_PUT): a client that routes around a congested link asks this
 server to pull pages from their owner (or forward them to it). The server is then itself a
 RemoteTier client of the owner (one per owner address, created on first use, NIXL agent of its own)
 and stages the pages in temporary slots of its buffer: never indexed, freed when the lease ends.
-`--relay-peers NODE=host:port,...` gives the owners' addresses as seen from this server (and, when
+`--relay-peers NODE=host:port,...` gives the owners' addresses as seen from here (and, when
 set, is the list of owners it will relay for); `--no-relay` answers relay requests with ERROR.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import mmap
-import os
-import signal
+import secrets
 import socket
 import sys
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 import numpy as np
 
 from .base import make_agent, page_checksum, page_checksums, unique_agent_name
-from .wire import (MAX_BLOB, RELAY_TYPES, Frame, MsgType, WireError, int_list, parse_hostport,
-                   read_frame, unpack_keys, write_frame)
+from .trust import MAC_LEN, NONCE_LEN, FrameAuth, PageMac
+from .wire import (MAX_BLOB, RELAY_TYPES, SERVER_MAX_BLOB, SERVER_MAX_JSON, Frame, IdleTimeout, MsgType,
+                   WireError, int_list, parse_hostport, read_frame, unpack_keys, write_frame)
 
 log = logging.getLogger("flexflow_sglang.tiers.server")
 _GIB = 1 << 30
+MIN_PAGE_NBYTES = 512
+MAX_PAGE_NBYTES = 256 << 20
+MAX_CAPACITY_GB = 4096.0
 
 
 @dataclass
 class _Lease:
     id: int
-    kind: str  # "get" | "put"
+    kind: str  # "get" | "put" | "relay_put"
     slots: List[int]
     expires: float
     conn: int
     keys: List[bytes] = field(default_factory=list)
     sums: List[int] = field(default_factory=list)
+    macs: List[bytes] = field(default_factory=list)
     owner: str = ""         # relay_put: where COMMIT forwards the pages
     timeout_s: float = 0.0  # relay_put: the forward's timeout
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    cid: int
+    auth: Optional[FrameAuth] = None
+    hello: bool = False        # a HELLO was answered (in shared-secret mode: session established)
+    busy: bool = False         # handling a frame (never evicted then)
+    last: float = field(default_factory=time.monotonic)  # end of its last frame (or accept)
 
 
 class _RelayRefused(Exception):
@@ -70,7 +94,9 @@ class TierServer:
                  storage_capacity_gb: float = 10.0, lease_ttl_s: float = 30.0,
                  verify_puts: bool = False, node: Optional[str] = None, max_conns: int = 64,
                  max_blob: int = MAX_BLOB, relay: bool = True, relay_peers: Optional[Dict[str, str]] = None,
-                 relay_retry_after_s: float = 10.0):
+                 relay_retry_after_s: float = 10.0, idle_timeout_s: float = 60.0,
+                 frame_timeout_s: float = 10.0, secret: Optional[bytes] = None,
+                 storage_read_only: bool = False, storage_fsync: bool = False):
         host, port = parse_hostport(listen)
         self.capacity = int(capacity_bytes)
         if self.capacity <= 0:
@@ -78,12 +104,20 @@ class TierServer:
         self.lease_ttl_s = lease_ttl_s
         self.verify_puts = verify_puts
         self.node = node or socket.gethostname()
-        self.max_conns = max_conns
-        self.max_blob = max_blob
+        self.max_conns = int(max_conns)
+        self.max_blob = max_blob              # outgoing frames (HELLO_OK carries the NIXL metadata)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.frame_timeout_s = float(frame_timeout_s)
+        self.secret = secret
+        self.pagemac = PageMac(secret) if secret else None
         self.storage_path = storage_path
         self.storage_capacity_gb = storage_capacity_gb
+        self.storage_read_only = storage_read_only
+        self.storage_fsync = storage_fsync
         self.storage = None
-        self.relay = bool(relay)
+        self.relay = bool(relay) and not secret  # a relay would need the secret-mode client path too
+        if relay and secret:
+            log.info("tier server: relaying is off in shared-secret mode")
         self.relay_peers = dict(relay_peers or {})  # owner node -> host:port as seen from here
         for a in self.relay_peers.values():
             parse_hostport(a)
@@ -99,65 +133,87 @@ class TierServer:
 
         self.lock = threading.RLock()
         self.page_nbytes: Optional[int] = None
+        self.nslots = 0
         self.index: "OrderedDict[bytes, int]" = OrderedDict()
         self.leases: Dict[int, _Lease] = {}
-        self._next_lease = 1
         self._stop = threading.Event()
-        self._conns: Dict[int, socket.socket] = {}
+        self._conns: Dict[int, _Conn] = {}
         self._threads: List[threading.Thread] = []
         self.c = dict(connections=0, lookups=0, lookup_pages=0, puts=0, pages_stored=0, pages_have=0,
                       pages_skipped=0, evictions=0, leases_expired=0, promoted=0, verify_failures=0,
                       discarded=0, errors=0, storage_writes=0, relay_gets=0, relay_pages_out=0,
-                      relay_puts=0, relay_pages_fwd=0, relay_failures=0)
+                      relay_puts=0, relay_pages_fwd=0, relay_failures=0, idle_cut=0, slow_cut=0,
+                      conns_refused=0, conns_evicted=0, lease_denied=0, auth_failures=0)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
-        self.sock.listen(64)
-        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        self.sock.listen(128)
+        self.address = f"{'[' + host + ']' if ':' in host else host}:{self.sock.getsockname()[1]}"
         if not page_nbytes and storage_path:  # restarted with pages on disk: serve them at once
             from .storage import StorageTier
-            page_nbytes = StorageTier.peek_page_nbytes(storage_path)
+            pn = StorageTier.peek_page_nbytes(storage_path)
+            page_nbytes = (pn - MAC_LEN if self.pagemac else pn) if pn else None
         if page_nbytes:
             self._setup_slots(int(page_nbytes))
 
     # ------------------------------------------------------------------ slots
+    @property
+    def max_page_nbytes(self) -> int:
+        return min(self.capacity, MAX_PAGE_NBYTES)
+
     def _setup_slots(self, P: int) -> None:
-        if P <= 0:
-            raise WireError("page_nbytes must be > 0")
+        if not MIN_PAGE_NBYTES <= P <= self.max_page_nbytes:
+            raise WireError(f"page_nbytes {P} outside {MIN_PAGE_NBYTES}..{self.max_page_nbytes}")
         n = self.capacity // P
-        if n == 0:
-            raise WireError(f"capacity {self.capacity} holds no page of {P} bytes")
-        self.page_nbytes = P
-        self.nslots = n
         self.pages = self.buf[: n * P].reshape(n, P)
-        self.free = deque(range(n))
-        self.slot_key: List[Optional[bytes]] = [None] * n
-        self.slot_sum = [0] * n
-        self.pins = [0] * n
+        # compact per-slot metadata (13 bytes a slot, 17 + 16 with page MACs); keys only for
+        # occupied slots: memory follows what is stored, not what a client claims
+        self._free_stack = np.arange(n - 1, -1, -1, dtype=np.int32)
+        self._nfree = n
+        self._is_free = np.ones(n, dtype=bool)
+        self.slot_sum = np.zeros(n, dtype=np.uint32)
+        self.pins = np.zeros(n, dtype=np.int32)
+        self.slot_mac = np.zeros((n, MAC_LEN), dtype=np.uint8) if self.pagemac else None
+        self.slot_key: Dict[int, bytes] = {}
         self.doomed: Set[int] = set()
         self.reserved: Dict[bytes, int] = {}
         if self.storage_path:
             from .storage import StorageTier
             self.storage = StorageTier(self.storage_path, capacity_gb=self.storage_capacity_gb,
-                                       fingerprint="flexflow-tier-server", page_nbytes=P, node=self.node)
+                                       fingerprint="flexflow-tier-server", node=self.node,
+                                       page_nbytes=P + MAC_LEN if self.pagemac else P,
+                                       read_only=self.storage_read_only, fsync=self.storage_fsync)
+        self.page_nbytes = P
+        self.nslots = n
         log.info("tier server %s: %d slots of %d bytes", self.address, n, P)
 
+    @property
+    def free(self) -> range:  # the count is what callers need (len(self.free))
+        return range(self._nfree if self.page_nbytes else 0)
+
     def _alloc(self, protect) -> Optional[int]:
-        if self.free:
-            return self.free.popleft()
+        if self._nfree:
+            self._nfree -= 1
+            s = int(self._free_stack[self._nfree])
+            self._is_free[s] = False
+            return s
         for k, s in self.index.items():  # LRU first
             if self.pins[s] == 0 and k not in protect:
                 del self.index[k]
-                self.slot_key[s] = None
+                self.slot_key.pop(s, None)
                 self.c["evictions"] += 1
                 return s
         return None
 
     def _free(self, s: int) -> None:
-        self.slot_key[s] = None
+        if self._is_free[s]:
+            return
+        self.slot_key.pop(s, None)
         self.pins[s] = 0
         self.doomed.discard(s)
-        self.free.append(s)
+        self._is_free[s] = True
+        self._free_stack[self._nfree] = s
+        self._nfree += 1
 
     def _unpin(self, s: int) -> None:
         self.pins[s] -= 1
@@ -171,7 +227,7 @@ class TierServer:
         if s is None:
             return False
         if self.pins[s] > 0:
-            self.slot_key[s] = None
+            self.slot_key.pop(s, None)
             self.doomed.add(s)
         else:
             self._free(s)
@@ -192,9 +248,22 @@ class TierServer:
                     self._free(s)
 
     def _new_lease(self, kind: str, slots: List[int], conn: int) -> _Lease:
-        lease = _Lease(self._next_lease, kind, slots, time.monotonic() + self.lease_ttl_s, conn)
-        self._next_lease += 1
-        self.leases[lease.id] = lease
+        lid = 0
+        while not lid or lid in self.leases:  # unguessable, and JSON-safe (< 2^53)
+            lid = secrets.randbits(52)
+        lease = _Lease(lid, kind, slots, time.monotonic() + self.lease_ttl_s, conn)
+        self.leases[lid] = lease
+        return lease
+
+    def _lease_of(self, lid, conn: int, kinds) -> Optional[_Lease]:
+        """The lease `lid` if this connection holds it (lock held). Another connection's lease is
+        unknown to this one (counted in lease_denied): leases cannot be stolen or released by others."""
+        lease = self.leases.get(lid) if isinstance(lid, int) and not isinstance(lid, bool) else None
+        if lease is None or lease.kind not in kinds:
+            return None
+        if lease.conn != conn:
+            self.c["lease_denied"] += 1
+            return None
         return lease
 
     # ------------------------------------------------------------------ handlers
@@ -202,18 +271,32 @@ class TierServer:
         if self.page_nbytes is None:
             raise WireError("HELLO with page_nbytes first")
 
-    def _hello(self, f: Frame):
+    def _hello(self, f: Frame, cs: _Conn):
         P = f.body.get("page_nbytes", 0)
-        if not isinstance(P, int) or P < 0:
+        if not isinstance(P, int) or isinstance(P, bool) or P < 0:
             raise WireError("HELLO page_nbytes must be an integer >= 0 (0: any)")
+        if P and not MIN_PAGE_NBYTES <= P <= self.max_page_nbytes:
+            raise WireError(f"HELLO page_nbytes {P} outside {MIN_PAGE_NBYTES}..{self.max_page_nbytes}")
+        body = {"agent": self.agent.name, "node": self.node, "relay": int(self.relay)}
+        after = None
+        if cs.auth is not None and not cs.hello:
+            try:
+                cnonce = bytes.fromhex(f.body.get("nonce", ""))
+            except (TypeError, ValueError):
+                cnonce = b""
+            if len(cnonce) != NONCE_LEN:
+                raise WireError(f"HELLO needs a {NONCE_LEN}-byte hex 'nonce' in shared-secret mode")
+            snonce = cs.auth.nonce
+            body.update(auth=1, mac=MAC_LEN, nonce=snonce.hex(), cnonce=cnonce.hex())
+            after = (lambda: cs.auth.start_session(cnonce, snonce))
         with self.lock:
             if self.page_nbytes is None and P:
                 self._setup_slots(P)
             elif P and P != self.page_nbytes:
                 raise WireError(f"page_nbytes mismatch: this server uses {self.page_nbytes}, client {P}")
-            return (MsgType.HELLO_OK, {"agent": self.agent.name, "page_nbytes": self.page_nbytes or 0,
-                                       "slots": getattr(self, "nslots", 0), "node": self.node,
-                                       "relay": int(self.relay)}, self.md)
+            body.update(page_nbytes=self.page_nbytes or 0, slots=self.nslots)
+        cs.hello = True
+        return (MsgType.HELLO_OK, body, self.md), after
 
     def _promote(self, keys: List[bytes], protect) -> List[int]:
         """Load leading `keys` from the storage tier into slots (lock held)."""
@@ -221,11 +304,20 @@ class TierServer:
         if self.storage is None or not keys:
             return got
         m = self.storage.contains_prefix(keys)
+        P = self.page_nbytes
+        row = np.empty((1, P + MAC_LEN), dtype=np.uint8) if self.pagemac else None
         for k in keys[:m]:
             s = self._alloc(protect)
             if s is None:
                 break
-            if self.storage.get_many_into([k], self.pages[s:s + 1]) != 1:
+            if row is not None:  # stored as page || MAC
+                ok = self.storage.get_many_into([k], row) == 1
+                if ok:
+                    self.pages[s] = row[0, :P]
+                    self.slot_mac[s] = row[0, P:]
+            else:
+                ok = self.storage.get_many_into([k], self.pages[s:s + 1]) == 1
+            if not ok:
                 self._free(s)
                 break
             self.index[k] = s
@@ -259,37 +351,44 @@ class TierServer:
                     self.pins[s] += 1
                 lease_id = self._new_lease("get", slots, conn).id
             base, P = self.buf.ctypes.data, self.page_nbytes
+            blob = self.slot_mac[slots].tobytes() if (pin and slots and self.pagemac) else b""
             return (MsgType.LOOKUP_OK, {"count": len(slots), "lease": lease_id,
                                         "addrs": [base + s * P for s in slots] if pin else [],
-                                        "sums": [self.slot_sum[s] for s in slots] if pin else []}, b"")
+                                        "sums": [int(self.slot_sum[s]) for s in slots] if pin else []}, blob)
 
-    def _release(self, f: Frame) -> None:
-        lid = f.body.get("lease")
+    def _release(self, f: Frame, conn: int) -> None:
         drop = f.body.get("drop") or []
         with self.lock:
-            lease = self.leases.get(lid) if isinstance(lid, int) else None
-            if lease is None or lease.kind != "get":
+            lease = self._lease_of(f.body.get("lease"), conn, ("get",))
+            if lease is None:
                 return
-            for i in drop:
-                if isinstance(i, int) and 0 <= i < len(lease.slots):
-                    k = self.slot_key[lease.slots[i]]
-                    if k is not None and self.index.get(k) == lease.slots[i]:
-                        self._drop_key(k)
-                        self.c["discarded"] += 1
+            if isinstance(drop, list):
+                for i in drop[:len(lease.slots)]:
+                    if isinstance(i, int) and 0 <= i < len(lease.slots):
+                        k = self.slot_key.get(lease.slots[i])
+                        if k is not None and self.index.get(k) == lease.slots[i]:
+                            self._drop_key(k)
+                            self.c["discarded"] += 1
             self._end_lease(lease)
 
     def _put(self, f: Frame, conn: int):
-        keys = unpack_keys(f.body, f.blob)
+        keys = unpack_keys(f.body, f.blob, MAC_LEN if self.pagemac else 0)
         sums = int_list(f.body, "sums", len(keys))
+        macs: List[bytes] = []
+        if self.pagemac:
+            if f.body.get("mac") != MAC_LEN:
+                raise WireError(f"PUT needs page MACs (\"mac\": {MAC_LEN}) in shared-secret mode")
+            off = len(keys) * (len(keys[0]) if keys else 0)
+            macs = [f.blob[off + i * MAC_LEN: off + (i + 1) * MAC_LEN] for i in range(len(keys))]
         with self.lock:
             self._need_slots()
             self.c["puts"] += 1
             protect = set(keys)
-            status, addrs, slots, lkeys, lsums = [], [], [], [], []
+            status, addrs, slots, lkeys, lsums, lmacs = [], [], [], [], [], []
             mine: Set[bytes] = set()
             full = False
             base, P = self.buf.ctypes.data, self.page_nbytes
-            for k, sm in zip(keys, sums):
+            for i, (k, sm) in enumerate(zip(keys, sums)):
                 if k in self.index:
                     self.index.move_to_end(k)
                     status.append(1)
@@ -308,28 +407,31 @@ class TierServer:
                 slots.append(s)
                 lkeys.append(k)
                 lsums.append(sm & 0xFFFFFFFF)
+                if macs:
+                    lmacs.append(macs[i])
             lease_id = 0
             if slots:
                 lease = self._new_lease("put", slots, conn)
-                lease.keys, lease.sums = lkeys, lsums
+                lease.keys, lease.sums, lease.macs = lkeys, lsums, lmacs
                 for k in lkeys:
                     self.reserved[k] = lease.id
                 lease_id = lease.id
             return (MsgType.PUT_OK, {"lease": lease_id, "status": status, "addrs": addrs}, b"")
 
-    def _commit(self, f: Frame):
-        lid = f.body.get("lease")
+    def _commit(self, f: Frame, conn: int):
         with self.lock:
-            lease = self.leases.get(lid) if isinstance(lid, int) else None
-            if lease is None or lease.kind != "put":
+            lease = self._lease_of(f.body.get("lease"), conn, ("put",))
+            if lease is None:
                 return (MsgType.COMMIT_OK, {"stored": []}, b""), None
             ok = int_list(f.body, "ok", len(lease.slots))
             stored = []
             for j, s in enumerate(lease.slots):
                 good = bool(ok[j])
-                if good and self.verify_puts and page_checksum(self.pages[s]) != lease.sums[j]:
-                    self.c["verify_failures"] += 1
-                    good = False
+                if good and self.verify_puts:
+                    if page_checksum(self.pages[s]) != lease.sums[j] or (
+                            self.pagemac and self.pagemac.mac(lease.keys[j], self.pages[s]) != lease.macs[j]):
+                        self.c["verify_failures"] += 1
+                        good = False
                 stored.append(1 if good else 0)
             self._end_lease(lease, committed=stored)
             wt_keys, wt_slots = [], []
@@ -343,8 +445,10 @@ class TierServer:
                     self.index[k] = s
                     self.slot_key[s] = k
                     self.slot_sum[s] = lease.sums[j]
+                    if self.pagemac:
+                        self.slot_mac[s] = np.frombuffer(lease.macs[j], dtype=np.uint8)
                     self.c["pages_stored"] += 1
-                    if self.storage is not None:
+                    if self.storage is not None and not self.storage_read_only:
                         self.pins[s] += 1
                         wt_keys.append(k)
                         wt_slots.append(s)
@@ -353,7 +457,10 @@ class TierServer:
 
     def _write_through(self, keys: List[bytes], slots: List[int]) -> None:
         try:
-            self.storage.put_many(keys, np.stack([self.pages[s] for s in slots]))
+            rows = np.stack([self.pages[s] for s in slots])
+            if self.pagemac:  # the MAC travels with the page through restarts
+                rows = np.concatenate([rows, self.slot_mac[slots]], axis=1)
+            self.storage.put_many(keys, rows)
             self.c["storage_writes"] += len(keys)
         except Exception as e:
             log.warning("tier server: storage write-through failed: %r", e)
@@ -527,13 +634,12 @@ class TierServer:
             return (MsgType.RELAY_PUT_OK, {"lease": lease_id, "status": [0] * len(slots) + [-1] * (len(keys) - len(slots)),
                                            "addrs": [base + s * P for s in slots]}, b"")
 
-    def _relay_commit(self, f: Frame):
+    def _relay_commit(self, f: Frame, conn: int):
         """COMMIT of a relay_put lease: check the writer's CRCs, forward to the owner. None: the
-        lease is not a relay lease (the plain COMMIT handles it)."""
-        lid = f.body.get("lease")
+        lease is not a relay lease of this connection (the plain COMMIT handles it)."""
         with self.lock:
-            lease = self.leases.get(lid) if isinstance(lid, int) else None
-            if lease is None or lease.kind != "relay_put":
+            lease = self._lease_of(f.body.get("lease"), conn, ("relay_put",))
+            if lease is None:
                 return None
             ok = int_list(f.body, "ok", len(lease.slots))
             self.leases.pop(lease.id, None)  # ours now: expiry must not free the slots under us
@@ -576,27 +682,31 @@ class TierServer:
         with self.lock:
             d = dict(self.c)
             d.update(address=self.address, node=self.node, page_nbytes=self.page_nbytes, relay=self.relay,
-                     slots=getattr(self, "nslots", 0), used_slots=len(self.index),
-                     free_slots=len(self.free) if self.page_nbytes else 0, leases=len(self.leases))
+                     slots=self.nslots, used_slots=len(self.index), free_slots=len(self.free),
+                     leases=len(self.leases), open_connections=len(self._conns), max_conns=self.max_conns,
+                     idle_timeout_s=self.idle_timeout_s, frame_timeout_s=self.frame_timeout_s,
+                     auth=int(self.secret is not None))
             if self.storage is not None:
                 d["storage"] = {k: v for k, v in self.storage.stats().items()
                                 if isinstance(v, (int, float, str, bool))}
             return d
 
-    def _handle(self, f: Frame, conn: int):
-        t = f.type
+    def _handle(self, f: Frame, cs: _Conn):
+        t, conn = f.type, cs.cid
         if t == MsgType.HELLO:
-            return self._hello(f), None
+            return self._hello(f, cs)
+        if cs.auth is not None and not cs.hello:
+            raise WireError("shared-secret mode: HELLO first")
         if t == MsgType.LOOKUP:
             return self._lookup(f, conn), None
         if t == MsgType.RELEASE:
-            self._release(f)
+            self._release(f, conn)
             return None, None
         if t == MsgType.PUT:
             return self._put(f, conn), None
         if t == MsgType.COMMIT:
-            r = self._relay_commit(f)
-            return (r, None) if r is not None else self._commit(f)
+            r = self._relay_commit(f, conn)
+            return (r, None) if r is not None else self._commit(f, conn)
         if t in RELAY_TYPES:
             if not self.relay:
                 raise WireError(f"relay disabled on this server ({t.name})")
@@ -609,25 +719,45 @@ class TierServer:
             return (MsgType.PONG, {}, b""), None
         raise WireError(f"unexpected message {t.name}")
 
-    def _serve_conn(self, conn: socket.socket, cid: int) -> None:
+    def _send(self, cs: _Conn, mtype: MsgType, body: dict, blob: bytes = b"") -> None:
+        # a client that does not read its replies cannot hold this thread past the frame timeout
+        write_frame(cs.sock, mtype, body, blob, deadline=time.monotonic() + self.frame_timeout_s,
+                    max_blob=self.max_blob, auth=cs.auth)
+
+    def _serve_conn(self, cs: _Conn) -> None:
+        conn, cid = cs.sock, cs.cid
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._stop.is_set():
                 try:
-                    f = read_frame(conn, None, self.max_blob)
-                except WireError as e:  # framing is lost: answer once, then close
+                    f = read_frame(conn, None, SERVER_MAX_BLOB, auth=cs.auth, max_json=SERVER_MAX_JSON,
+                                   idle_deadline=time.monotonic() + self.idle_timeout_s,
+                                   frame_s=self.frame_timeout_s)
+                except WireError as e:  # framing (or authentication) is lost: answer once, then close
                     self.c["errors"] += 1
+                    if "authentica" in str(e) or "secret" in str(e):
+                        self.c["auth_failures"] += 1
                     log.warning("tier server: bad frame from connection %d: %s", cid, e)
-                    try:
+                    try:  # unauthenticated: the peer may not hold the secret, so no tag
                         write_frame(conn, MsgType.ERROR, {"error": str(e)}, deadline=time.monotonic() + 1)
                     except Exception:
                         pass
                     return
-                except (ConnectionError, TimeoutError, OSError):
+                except IdleTimeout:
+                    self.c["idle_cut"] += 1
+                    log.info("tier server: connection %d idle for %.0f s; closed", cid, self.idle_timeout_s)
                     return
+                except TimeoutError:
+                    self.c["slow_cut"] += 1
+                    log.warning("tier server: connection %d took over %.1f s for one frame; closed",
+                                cid, self.frame_timeout_s)
+                    return
+                except (ConnectionError, OSError):
+                    return
+                cs.busy = True
                 after = None
                 try:
-                    reply, after = self._handle(f, cid)
+                    reply, after = self._handle(f, cs)
                 except WireError as e:  # the frame was read whole: the stream is still in sync
                     self.c["errors"] += 1
                     reply = (MsgType.ERROR, {"error": str(e)}, b"")
@@ -635,10 +765,18 @@ class TierServer:
                     self.c["errors"] += 1
                     log.exception("tier server: error handling %s", f.type.name)
                     reply = (MsgType.ERROR, {"error": f"internal: {type(e).__name__}"}, b"")
-                if reply is not None:
-                    write_frame(conn, reply[0], reply[1], reply[2], max_blob=self.max_blob)
-                if after is not None:
-                    after()
+                try:
+                    if reply is not None:
+                        self._send(cs, *reply)
+                    if after is not None:
+                        after()
+                except TimeoutError:
+                    self.c["slow_cut"] += 1
+                    log.warning("tier server: connection %d does not read its replies; closed", cid)
+                    return
+                finally:
+                    cs.busy = False
+                    cs.last = time.monotonic()
         except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
@@ -651,6 +789,22 @@ class TierServer:
             except OSError:
                 pass
 
+    def _make_room(self) -> bool:
+        """All connection slots taken (lock held): cut the connection idle the longest (between
+        frames for >= 1 s), so silent sockets cannot lock new clients out. False: all are busy."""
+        now = time.monotonic()
+        idle = [c for c in self._conns.values() if not c.busy and now - c.last >= 1.0]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last)
+        self._conns.pop(victim.cid, None)
+        self.c["conns_evicted"] += 1
+        try:
+            victim.sock.shutdown(socket.SHUT_RDWR)  # its thread sees EOF and ends its leases
+        except OSError:
+            pass
+        return True
+
     def _accept_loop(self) -> None:
         cid = 0
         while not self._stop.is_set():
@@ -662,14 +816,15 @@ class TierServer:
                 time.sleep(0.01)
                 continue
             with self.lock:
-                if len(self._conns) >= self.max_conns:
+                if len(self._conns) >= self.max_conns and not self._make_room():
+                    self.c["conns_refused"] += 1
                     conn.close()
                     continue
                 cid += 1
-                self._conns[cid] = conn
+                cs = _Conn(conn, cid, FrameAuth(self.secret, "s") if self.secret else None)
+                self._conns[cid] = cs
                 self.c["connections"] += 1
-            th = threading.Thread(target=self._serve_conn, args=(conn, cid), daemon=True,
-                                  name=f"fftier-conn{cid}")
+            th = threading.Thread(target=self._serve_conn, args=(cs,), daemon=True, name=f"fftier-conn{cid}")
             th.start()
             self._threads = [t for t in self._threads if t.is_alive()] + [th]
 
@@ -706,7 +861,7 @@ class TierServer:
         except OSError:
             pass
         with self.lock:
-            conns = list(self._conns.values())
+            conns = [c.sock for c in self._conns.values()]
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -736,45 +891,18 @@ def _parse_relay_peers(s: Optional[str]) -> Dict[str, str]:
             node, sep, addr = item.strip().partition("=")
             if not sep or not node:
                 raise ValueError(f"--relay-peers expects NODE=host:port[,...], got {item!r}")
-            parse_hostport(addr)
+            try:
+                parse_hostport(addr)
+            except ValueError as e:
+                raise ValueError(f"--relay-peers {item!r}: {e}") from None
             out[node] = addr
     return out
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="flexflow tier-server", description=__doc__.split("\n")[0])
-    ap.add_argument("--listen", default="127.0.0.1:0", help="host:port (default 127.0.0.1:0)")
-    ap.add_argument("--capacity-gb", type=float, default=1.0, help="host buffer size in GiB")
-    ap.add_argument("--page-nbytes", type=int, default=None, help="slot size (default: first client's)")
-    ap.add_argument("--storage-path", default=None, help="back the buffer with a storage tier here")
-    ap.add_argument("--storage-capacity-gb", type=float, default=10.0)
-    ap.add_argument("--lease-ttl-s", type=float, default=30.0)
-    ap.add_argument("--verify-puts", action="store_true", help="CRC-check written pages at COMMIT")
-    ap.add_argument("--node", default=None, help="topology node name reported to clients")
-    ap.add_argument("--no-relay", action="store_true", help="refuse RELAY_GET/RELAY_PUT (ERROR)")
-    ap.add_argument("--relay-peers", default=None,
-                    help="NODE=host:port,...: owners' addresses as seen from here (and the only owners relayed for)")
-    ap.add_argument("--relay-retry-after-s", type=float, default=10.0)
-    ap.add_argument("--ready-file", default=None, help="write {'listen': host:port, 'pid'} here when ready")
-    ap.add_argument("--log-level", default="WARNING")
-    a = ap.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    srv = TierServer(a.listen, int(a.capacity_gb * _GIB), a.page_nbytes, a.storage_path,
-                     a.storage_capacity_gb, a.lease_ttl_s, a.verify_puts, a.node,
-                     relay=not a.no_relay, relay_peers=_parse_relay_peers(a.relay_peers),
-                     relay_retry_after_s=a.relay_retry_after_s)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: srv.stop())
-    if a.ready_file:
-        tmp = a.ready_file + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump({"listen": srv.address, "pid": os.getpid(), "node": srv.node}, fh)
-        os.replace(tmp, a.ready_file)
-    print(f"READY {srv.address}", flush=True)
-    srv.serve_forever()
-    return 0
+    """`flexflow tier-server` (flags, validation, start-up: tiers/server_cli.py)."""
+    from .server_cli import main as cli_main
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

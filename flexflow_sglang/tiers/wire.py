@@ -4,12 +4,17 @@ Frame = 16-byte header + JSON body + binary blob:
     magic  4s  b"FFTW"
     version u8  WIRE_VERSION (1); a peer speaking another version gets an ERROR frame and is closed
     type    u8  MsgType
-    flags   u16 0 (reserved)
+    flags   u16 bit 0 (FLAG_MAC): a 16-byte HMAC tag follows the blob (shared-secret mode,
+                tiers/trust.py); other bits reserved (0)
     json_len u32  length of the UTF-8 JSON object that follows (<= MAX_JSON)
     blob_len u32  length of the raw bytes after the JSON (<= max_blob, default MAX_BLOB)
 All integers are big-endian. The JSON body is always an object. Binary payloads (packed keys,
 NIXL agent metadata) travel in the blob, never inside the JSON. Keys are packed back to back with
-a fixed length given by the body's "klen" (1..64).
+a fixed length given by the body's "klen" (1..64), at most MAX_KEYS_PER_FRAME per frame.
+
+A tier server reads client frames with tighter limits (SERVER_MAX_JSON, SERVER_MAX_BLOB: what the
+largest legal request needs) and two deadlines: the first byte of a frame within the idle timeout,
+the rest of the frame within the frame timeout after it (so a silent or slowloris socket is cut).
 """
 from __future__ import annotations
 
@@ -30,10 +35,19 @@ HEADER_LEN = HEADER.size  # 16
 MAX_JSON = 4 << 20
 MAX_BLOB = 16 << 20
 MAX_KEY_LEN = 64
+MAX_KEYS_PER_FRAME = 32768           # one request names at most this many pages (clients truncate)
+SERVER_MAX_JSON = 1 << 20            # PUT sums of 32768 keys ~ 360 KB, RELEASE drops ~ 200 KB
+SERVER_MAX_BLOB = MAX_KEYS_PER_FRAME * (MAX_KEY_LEN + 16)  # keys + page MACs: 2.5 MiB
+FLAG_MAC = 1
+TAG_LEN = 16
 
 
 class WireError(FlexFlowError, ValueError):
     """A frame is malformed: bad magic, unsupported version, unknown type, oversized, bad body."""
+
+
+class IdleTimeout(TimeoutError):
+    """No frame started within the idle deadline (the connection was silent, not slow)."""
 
 
 class MsgType(IntEnum):
@@ -81,7 +95,7 @@ class Frame:
 
 
 def encode_frame(mtype: MsgType, body: Optional[dict] = None, blob: bytes = b"",
-                 max_blob: int = MAX_BLOB) -> bytes:
+                 max_blob: int = MAX_BLOB, flags: int = 0) -> bytes:
     if int(mtype) not in _TYPES:
         raise WireError(f"unknown message type {mtype}")
     js = json.dumps(body or {}, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -90,11 +104,15 @@ def encode_frame(mtype: MsgType, body: Optional[dict] = None, blob: bytes = b"",
         raise WireError(f"JSON body of {len(js)} bytes exceeds {MAX_JSON}")
     if len(blob) > max_blob:
         raise WireError(f"blob of {len(blob)} bytes exceeds {max_blob}")
-    return HEADER.pack(MAGIC, WIRE_VERSION, int(mtype), 0, len(js), len(blob)) + js + blob
+    return HEADER.pack(MAGIC, WIRE_VERSION, int(mtype), flags, len(js), len(blob)) + js + blob
 
 
-def decode_header(raw: bytes, max_blob: int = MAX_BLOB) -> Tuple[MsgType, int, int]:
+def decode_header(raw: bytes, max_blob: int = MAX_BLOB, max_json: int = MAX_JSON) -> Tuple[MsgType, int, int]:
     """(type, json_len, blob_len); raises WireError before anything is allocated for the body."""
+    return _decode_header(raw, max_blob, max_json)[:3]
+
+
+def _decode_header(raw: bytes, max_blob: int, max_json: int) -> Tuple[MsgType, int, int, int]:
     if len(raw) != HEADER_LEN:
         raise WireError(f"short header ({len(raw)} bytes)")
     magic, ver, mtype, flags, jlen, blen = HEADER.unpack(raw)
@@ -104,9 +122,11 @@ def decode_header(raw: bytes, max_blob: int = MAX_BLOB) -> Tuple[MsgType, int, i
         raise WireError(f"unsupported wire version {ver} (this side speaks {WIRE_VERSION})")
     if mtype not in _TYPES:
         raise WireError(f"unknown message type {mtype}")
-    if jlen > MAX_JSON or blen > max_blob:
-        raise WireError(f"oversized frame (json {jlen}, blob {blen}; limits {MAX_JSON}, {max_blob})")
-    return MsgType(mtype), jlen, blen
+    if jlen > max_json or blen > max_blob:
+        raise WireError(f"oversized frame (json {jlen}, blob {blen}; limits {max_json}, {max_blob})")
+    if flags & ~FLAG_MAC:
+        raise WireError(f"reserved header flags set ({flags:#x})")
+    return MsgType(mtype), jlen, blen, flags
 
 
 def decode_body(mtype: MsgType, js: bytes, blob: bytes) -> Frame:
@@ -114,6 +134,8 @@ def decode_body(mtype: MsgType, js: bytes, blob: bytes) -> Frame:
         body = json.loads(js.decode("utf-8")) if js else {}
     except (UnicodeDecodeError, ValueError) as e:
         raise WireError(f"bad JSON body: {e}") from None
+    except RecursionError:  # [[[[... nested past the interpreter's limit
+        raise WireError("bad JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise WireError("JSON body must be an object")
     return Frame(mtype, body, blob)
@@ -154,17 +176,41 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float]) -> bytes
     return bytes(buf)
 
 
-def read_frame(sock: socket.socket, deadline: Optional[float] = None, max_blob: int = MAX_BLOB) -> Frame:
-    """Read one frame. Raises TimeoutError (deadline, time.monotonic()), ConnectionError, WireError."""
-    mtype, jlen, blen = decode_header(_recv_exact(sock, HEADER_LEN, deadline), max_blob)
+def read_frame(sock: socket.socket, deadline: Optional[float] = None, max_blob: int = MAX_BLOB, *,
+               auth=None, max_json: int = MAX_JSON, idle_deadline: Optional[float] = None,
+               frame_s: Optional[float] = None) -> Frame:
+    """Read one frame. Raises TimeoutError (deadline, time.monotonic()), ConnectionError, WireError.
+    Server side: `idle_deadline` bounds the wait for the frame's first byte (IdleTimeout), then the
+    whole frame must arrive within `frame_s`. `auth` (trust.FrameAuth): the frame must carry a valid
+    tag; without it, a tagged frame is refused."""
+    if idle_deadline is not None:
+        try:
+            first = _recv_exact(sock, 1, idle_deadline)
+        except TimeoutError:
+            raise IdleTimeout("connection idle past its deadline") from None
+        deadline = time.monotonic() + frame_s if frame_s else None
+        raw = first + _recv_exact(sock, HEADER_LEN - 1, deadline)
+    else:
+        raw = _recv_exact(sock, HEADER_LEN, deadline)
+    mtype, jlen, blen, flags = _decode_header(raw, max_blob, max_json)
     js = _recv_exact(sock, jlen, deadline) if jlen else b""
     blob = _recv_exact(sock, blen, deadline) if blen else b""
+    if flags & FLAG_MAC:
+        tag = _recv_exact(sock, TAG_LEN, deadline)
+        if auth is None:
+            raise WireError("the peer sent an authenticated frame, but no shared secret is configured here")
+        if not auth.check(raw + js + blob, tag):
+            raise WireError("frame authentication failed (wrong shared secret, replayed or altered frame)")
+    elif auth is not None and mtype != MsgType.ERROR:  # an ERROR only ever causes a miss: shown as is
+        raise WireError("unauthenticated frame: this side requires the shared secret")
     return decode_body(mtype, js, blob)
 
 
 def write_frame(sock: socket.socket, mtype: MsgType, body: Optional[dict] = None, blob: bytes = b"",
-                deadline: Optional[float] = None, max_blob: int = MAX_BLOB) -> None:
-    data = encode_frame(mtype, body, blob, max_blob)
+                deadline: Optional[float] = None, max_blob: int = MAX_BLOB, *, auth=None) -> None:
+    data = encode_frame(mtype, body, blob, max_blob, FLAG_MAC if auth is not None else 0)
+    if auth is not None:
+        data += auth.seal(data)
     _arm_timeout(sock, deadline)
     try:
         sock.sendall(data)
@@ -184,12 +230,14 @@ def pack_keys(keys: Sequence[bytes]) -> Tuple[int, bytes]:
     return klen, b"".join(keys)
 
 
-def unpack_keys(body: dict, blob: bytes) -> List[bytes]:
+def unpack_keys(body: dict, blob: bytes, trailer: int = 0) -> List[bytes]:
+    """The keys of a request. `trailer`: bytes per key that follow the keys in the blob (page MACs)."""
     klen, n = body.get("klen"), body.get("n")
-    if not isinstance(klen, int) or not isinstance(n, int) or not 1 <= klen <= MAX_KEY_LEN or n < 0:
-        raise WireError("bad klen/n")
-    if len(blob) != klen * n:
-        raise WireError(f"key blob of {len(blob)} bytes != {n} x {klen}")
+    if (not isinstance(klen, int) or not isinstance(n, int) or isinstance(klen, bool) or isinstance(n, bool)
+            or not 1 <= klen <= MAX_KEY_LEN or not 0 <= n <= MAX_KEYS_PER_FRAME):
+        raise WireError(f"bad klen/n (klen 1..{MAX_KEY_LEN}, n 0..{MAX_KEYS_PER_FRAME})")
+    if len(blob) != (klen + trailer) * n:
+        raise WireError(f"key blob of {len(blob)} bytes != {n} x {klen}" + (f" + {n} x {trailer}" if trailer else ""))
     return [blob[i * klen:(i + 1) * klen] for i in range(n)]
 
 
@@ -197,13 +245,22 @@ def int_list(body: dict, name: str, n: Optional[int] = None) -> List[int]:
     v = body.get(name)
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise WireError(f"'{name}' must be a list of integers")
+    if len(v) > MAX_KEYS_PER_FRAME:
+        raise WireError(f"'{name}' has {len(v)} entries, at most {MAX_KEYS_PER_FRAME}")
     if n is not None and len(v) != n:
         raise WireError(f"'{name}' has {len(v)} entries, expected {n}")
     return v
 
 
 def parse_hostport(s: str) -> Tuple[str, int]:
-    host, sep, port = s.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    """'host:port' / '[v6]:port' -> (host, port); ValueError naming the value otherwise."""
+    if not isinstance(s, str):
         raise ValueError(f"expected host:port, got {s!r}")
-    return host.strip("[]"), int(port)
+    host, sep, port = s.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    bad = (not sep or not host or not port.isascii() or not port.isdigit() or len(port) > 5
+           or any(c.isspace() or c in "[]/@" for c in host) or (":" in host and not s.strip().startswith("[")))
+    if bad or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected host:port with a port in 0..65535, got {s!r}")
+    return host, int(port)

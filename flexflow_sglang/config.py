@@ -3,12 +3,17 @@
 `configs/default.yaml` is the single source of defaults: load_config() overlays the user's file on
 it, and tests check that the dataclass defaults below equal it. Every error names the key path
 (e.g. `selector.nvlink_util_threshold`), the offending value and what is allowed.
-The SGLang backend reads the file named by the FLEXFLOW_CONFIG environment variable.
+The SGLang backend reads the file named by the FLEXFLOW_CONFIG environment variable; so does every
+`flexflow` command that takes --config, and `flexflow config check [FILE]` validates a file the way
+the server will. The reader refuses what YAML would silently accept: duplicate keys or sections,
+more than a few aliases (an alias bomb gets one short error), invalid UTF-8, non-finite numbers and
+numbers past each key's range; error messages quote at most 80 characters of a value.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
@@ -34,8 +39,43 @@ _SELECTOR_RULES = {
 }
 
 
+MAX_NUMBER = 1e15  # no knob needs more; 1e300 or .inf would overflow where the value is used
+#: upper bounds of keys whose sane range is far below MAX_NUMBER (the error names the range)
+_MAX = {"host_tier.capacity_gb": 1 << 16, "storage_tier.capacity_gb": 1 << 24,
+        "remote_tier.timeout_ms": 3_600_000, "remote_tier.retry_after_s": 86_400,
+        "monitor.sample_interval_ms": 3_600_000, "monitor.feedback_half_life_ms": 86_400_000,
+        "monitor.elastic_probe_s": 86_400, "pd.rail_gbps": 1e5, "pd.rail_latency_us": 1e7}
+
+
+def _short(value) -> str:
+    r = repr(value)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _check(kind: str, arg, value, key: str) -> Optional[str]:
     isnum = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isnum:
+        hi = _MAX.get(key, MAX_NUMBER)
+        if not math.isfinite(value) or abs(value) > hi:
+            lim = int(hi) if float(hi).is_integer() and hi < 1e16 else hi
+            return f"{key} = {_short(value)}: must be a finite number with magnitude <= {lim}"
+    if kind == "hostport_list":
+        from .tiers.wire import parse_hostport
+        if not isinstance(value, (list, tuple)):
+            return f"{key} = {_short(value)}: must be a list of host:port strings"
+        for v in value:
+            try:
+                parse_hostport(v)
+            except ValueError:
+                return f"{key}: {_short(v)} is not host:port (port 0..65535), e.g. 10.0.0.2:7300"
+        return None
+    if kind == "hostport":
+        from .tiers.wire import parse_hostport
+        try:
+            parse_hostport(value)
+        except ValueError:
+            return f"{key} = {_short(value)}: must be host:port (port 0..65535), e.g. 127.0.0.1:7300"
+        return None
     if kind == "weight":
         if not isnum or not value >= 0 or value != value:
             return f"{key} = {value!r}: must be a number >= 0"
@@ -128,16 +168,20 @@ class StorageTierConfig:
     backend: str = "auto"  # auto | posix | gds
     eviction: str = "lru"
     write_through: bool = True  # copy every stored page here too (else only host-tier evictions)
+    read_only: bool = False  # serve the pages already there, write nothing (read-only media, shared copies)
+    fsync: bool = False  # fsync each page before it counts as stored (survives power loss; slower)
 
 
 @dataclass(frozen=True)
 class RemoteTierConfig:
     enabled: bool = False
     peers: Tuple[str, ...] = ()
-    listen: str = "127.0.0.1:0"
+    listen: str = "127.0.0.1:0"  # `flexflow tier-server --config` listens here unless --listen says otherwise
     timeout_ms: float = 2000.0
     retry_after_s: float = 10.0
     write_through: bool = True
+    secret_file: Optional[str] = None  # shared-secret mode (docs/tiers.md); else $FLEXFLOW_TIER_SECRET[_FILE]
+    keyed_page_keys: bool = False  # page keys keyed with the secret: key observers cannot confirm prompts
 
 
 @dataclass(frozen=True)
@@ -160,10 +204,11 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                   "pin_memory": ("choice", ("auto", "always", "never"))},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
                      "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",)),
-                     "write_through": ("bool", None)},
-    "remote_tier": {"enabled": ("bool", None), "peers": ("str_list", None), "listen": ("str", None),
+                     "write_through": ("bool", None), "read_only": ("bool", None), "fsync": ("bool", None)},
+    "remote_tier": {"enabled": ("bool", None), "peers": ("hostport_list", None), "listen": ("hostport", None),
                     "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),
-                    "write_through": ("bool", None)},
+                    "write_through": ("bool", None), "secret_file": ("opt_str", None),
+                    "keyed_page_keys": ("bool", None)},
     "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
            "rails": ("str_list", None), "rail_gbps": ("opt_positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,
@@ -208,16 +253,56 @@ _SECTION_CLASSES = {"topology": TopologyConfig, "monitor": MonitorConfig, "host_
                     "pd": PDConfig}
 
 
+MAX_ALIASES = 16       # a config needs none; an alias bomb needs many
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses duplicate keys (the last one would silently win) and alias bombs."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self._aliases = getattr(self, "_aliases", 0) + 1
+            if self._aliases > MAX_ALIASES:
+                raise yaml.YAMLError(f"more than {MAX_ALIASES} YAML aliases (*name); a config needs none")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for knode, _ in node.value:
+            k = self.construct_object(knode, deep=True)
+            try:
+                hash(k)
+            except TypeError:
+                raise yaml.YAMLError(f"line {knode.start_mark.line + 1}: a mapping key must be a scalar") from None
+            if k in seen:
+                raise yaml.YAMLError(f"duplicate key {_short(k)} at line {knode.start_mark.line + 1} "
+                                     f"(first at line {seen[k]})")
+            seen[k] = knode.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: str, what: str) -> dict:
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{what} {path!r} is larger than {MAX_CONFIG_BYTES} bytes")
+        text = raw.decode("utf-8")
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(f"{what} {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path!r} is a directory, not a YAML file") from None
     except OSError as e:
-        raise ConfigError(f"cannot read {what} {path!r}: {e}") from None
+        raise ConfigError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path!r} is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path!r}: YAML nested too deeply") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path!r} is not valid YAML: {e}") from None
+        msg = " ".join(str(e).split())
+        raise ConfigError(f"{what} {path!r} is not valid YAML: {msg[:300]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -267,12 +352,34 @@ def config_from_dict(data: dict, source: str = "<dict>") -> FlexFlowConfig:
     ts = base.get("topology", {})
     if ts.get("source") == "file" and not ts.get("file"):
         errs.append("topology.file must name a YAML topology when topology.source is 'file'")
+    errs += _check_secret(base.get("remote_tier", {}), errs)
     if errs:
         raise ConfigError(f"invalid flexflow config {source}: " + "; ".join(errs))
     sections = {name: cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in base[name].items()})
                 for name, cls in _SECTION_CLASSES.items()}
     return FlexFlowConfig(selector=SelectorConfig(**base["selector"]), selector_impl=base["selector_impl"],
                           log_level=base["log_level"], path=None if source == "<defaults>" else source, **sections)
+
+
+def _check_secret(rt: dict, errs: list) -> list:
+    """The secret is read the way the tiers will read it, so `config check` catches a bad file."""
+    if errs or not (rt.get("secret_file") or rt.get("keyed_page_keys")):
+        return []
+    from .tiers.trust import load_secret
+    try:
+        secret = load_secret(rt.get("secret_file"))
+    except ConfigError as e:
+        return [f"remote_tier.secret_file: {e}"]
+    if secret is None and rt.get("keyed_page_keys"):
+        return ["remote_tier.keyed_page_keys = true needs a secret: set remote_tier.secret_file or "
+                "$FLEXFLOW_TIER_SECRET / $FLEXFLOW_TIER_SECRET_FILE"]
+    return []
+
+
+def tier_secret(cfg: "FlexFlowConfig") -> Optional[bytes]:
+    """The remote tier's shared secret (None: no shared-secret mode)."""
+    from .tiers.trust import load_secret
+    return load_secret(cfg.remote_tier.secret_file)
 
 
 def load_config(path: Optional[str] = None) -> FlexFlowConfig:

@@ -1,6 +1,7 @@
-"""`flexflow` command line: topology, select, demo, bench, and the server-side tools.
+"""`flexflow` command line: topology, select, demo, bench, config check, and the server-side tools.
 
-Library code never imports this module; it sits on top of the public API.
+Library code never imports this module; it sits on top of the public API. Every command that takes
+--config falls back to $FLEXFLOW_CONFIG; a bad file, flag or value is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from typing import List, Optional
@@ -145,6 +147,26 @@ def cmd_bench(args) -> int:
     return bench_main(args.rest) or 0
 
 
+def cmd_config(args) -> int:
+    """`flexflow config check [FILE]`: validate FILE (default $FLEXFLOW_CONFIG) as the server will."""
+    from ..config import ENV_VAR, load_config
+    path = args.file or os.environ.get(ENV_VAR) or None
+    cfg = load_config(path) if path else _defaults()
+    tiers = ["host" if cfg.host_tier.enabled else None,
+             ("storage" + (" (read-only)" if cfg.storage_tier.read_only else "")) if cfg.storage_tier.enabled else None,
+             f"remote ({len(cfg.remote_tier.peers)} peers)" if cfg.remote_tier.enabled else None]
+    from ..config import tier_secret
+    secret = "on" if (cfg.remote_tier.enabled or cfg.remote_tier.keyed_page_keys) and tier_secret(cfg) else "off"
+    print(f"ok: {path or '<defaults>'}: tiers {', '.join(t for t in tiers if t) or 'none'}; shared secret {secret}; "
+          f"keyed page keys {'on' if cfg.remote_tier.keyed_page_keys else 'off'}")
+    return 0
+
+
+def _defaults():
+    from ..config import config_from_dict
+    return config_from_dict({}, "<defaults>")
+
+
 def _passthrough(module: str, func: str = "main"):
     def run(args) -> int:
         import importlib
@@ -196,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     b.set_defaults(func=cmd_bench)
 
+    c = sub.add_parser("config", help="config check [FILE]: validate a flexflow YAML config as the server will")
+    c.add_argument("action", choices=["check"])
+    c.add_argument("file", nargs="?", default=None, help="YAML file (default: $FLEXFLOW_CONFIG, else the defaults)")
+    c.set_defaults(func=cmd_config)
+
     for name, module, helptext in (
             ("make-tiny-model", "flexflow_sglang.cpu_support.tiny_model", "build the tiny local Llama + tokenizer"),
             ("verify-outputs", "flexflow_sglang.verify_outputs", "baseline/test output equality check"),
@@ -213,20 +240,41 @@ _PASSTHROUGH = {"make-tiny-model": "flexflow_sglang.cpu_support.tiny_model",
                 "quickstart": "flexflow_sglang.quickstart"}
 
 
+#: passthrough tools (and `bench serve`) that take --config: given $FLEXFLOW_CONFIG, it is their default
+_TAKES_CONFIG = {"quickstart", "tier-server"}
+
+
+def _env_config(rest: List[str]) -> List[str]:
+    env = os.environ.get("FLEXFLOW_CONFIG")
+    if env and not any(a == "--config" or a.startswith("--config=") for a in rest):
+        return ["--config", env, *rest]
+    return rest
+
+
+def _one_line_errors(fn, *a) -> int:
+    try:
+        return int(fn(*a) or 0)
+    except FlexFlowError as e:
+        print(f"flexflow: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _PASSTHROUGH:  # the tool parses its own options (argparse REMAINDER drops them)
         import importlib
-        return int(importlib.import_module(_PASSTHROUGH[argv[0]]).main(argv[1:]) or 0)
+        rest = _env_config(argv[1:]) if argv[0] in _TAKES_CONFIG else argv[1:]
+        return _one_line_errors(importlib.import_module(_PASSTHROUGH[argv[0]]).main, rest)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.what == "serve":
+        args.rest = _env_config(list(args.rest))
+    if (hasattr(args, "config") and not args.config and not getattr(args, "mock", None)
+            and not getattr(args, "topology_file", None) and not getattr(args, "discover", False)):
+        args.config = os.environ.get("FLEXFLOW_CONFIG") or None  # --config falls back to the env variable
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args) or 0)
-    except FlexFlowError as e:
-        print(f"flexflow: error: {e}", file=sys.stderr)
-        return 2
+    return _one_line_errors(args.func, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -103,7 +103,13 @@ class FlexFlowConnector:
         self._fingerprint = dict(fingerprint or {})
         self._fingerprint.setdefault("layout", layout.describe())
         self._fingerprint.setdefault("page_size", layout.page_size)
-        self._seed = hashlib.blake2b(repr(sorted(self._fingerprint.items())).encode(), digest_size=KEY_BYTES).digest()
+        # remote_tier.keyed_page_keys (issue 14): the chain's seed keyed with the tier secret, so
+        # whoever sees keys cannot confirm a guessed prefix; key b"" is the plain (default) chain
+        from ..tiers.trust import load_secret, page_key_secret
+        rt = self.config.remote_tier
+        kkey = page_key_secret(load_secret(rt.secret_file)) if rt.keyed_page_keys else b""
+        self._seed = hashlib.blake2b(repr(sorted(self._fingerprint.items())).encode(), digest_size=KEY_BYTES,
+                                     key=kkey).digest()
         self._queue: Deque[StoreHandle] = deque()
         self.last_load_deep_pages = 0
         self._m: Dict[str, int] = {k: 0 for k in (

@@ -17,11 +17,14 @@ __all__ = ["KVTier", "StorageTier", "StorageTierError", "RemoteTier", "WireError
 
 
 def storage_from_config(cfg, fingerprint: str, node: str = "nvme0", page_nbytes=None) -> StorageTier:
-    """StorageTier from a config.StorageTierConfig (path, capacity_gb, backend, eviction)."""
+    """StorageTier from a config.StorageTierConfig (path, capacity_gb, backend, eviction, read_only, fsync)."""
     return StorageTier(cfg.path, capacity_gb=cfg.capacity_gb, backend=cfg.backend, eviction=cfg.eviction,
-                       fingerprint=fingerprint, page_nbytes=page_nbytes, node=node)
+                       fingerprint=fingerprint, page_nbytes=page_nbytes, node=node,
+                       read_only=getattr(cfg, "read_only", False), fsync=getattr(cfg, "fsync", False))
 
 
 def remote_from_config(cfg, node=None) -> RemoteTier:
-    """RemoteTier from a config.RemoteTierConfig (peers, timeout_ms, retry_after_s)."""
-    return RemoteTier(list(cfg.peers), timeout_ms=cfg.timeout_ms, retry_after_s=cfg.retry_after_s, node=node)
+    """RemoteTier from a config.RemoteTierConfig (peers, timeout_ms, retry_after_s, secret_file)."""
+    from .trust import load_secret
+    return RemoteTier(list(cfg.peers), timeout_ms=cfg.timeout_ms, retry_after_s=cfg.retry_after_s, node=node,
+                      secret=load_secret(getattr(cfg, "secret_file", None)))

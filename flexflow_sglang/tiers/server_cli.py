@@ -55,7 +55,10 @@ def _hostport(text: str) -> str:
 def main(argv=None) -> int:
     prog = "flexflow tier-server"
     ap = _Parser(prog=prog, description=_DOC)
-    ap.add_argument("--listen", default="127.0.0.1:0", type=_hostport, help="host:port (default 127.0.0.1:0)")
+    ap.add_argument("--config", default=None,
+                    help="flexflow YAML config (default $FLEXFLOW_CONFIG): remote_tier.listen and "
+                         "remote_tier.secret_file are the defaults of --listen and --secret-file")
+    ap.add_argument("--listen", default=None, type=_hostport, help="host:port (default 127.0.0.1:0)")
     ap.add_argument("--capacity-gb", type=_num(0, MAX_CAPACITY_GB), default=1.0, help="host buffer size in GiB")
     ap.add_argument("--page-nbytes", type=_num(MIN_PAGE_NBYTES, MAX_PAGE_NBYTES, int, lo_open=False), default=None,
                     help=f"slot size, {MIN_PAGE_NBYTES}..{MAX_PAGE_NBYTES} (default: the first client's; "
@@ -99,10 +102,17 @@ def main(argv=None) -> int:
         return fail(f"--page-nbytes {a.page_nbytes} is larger than --capacity-gb {a.capacity_gb:g}")
     from ..errors import FlexFlowError
     from .trust import load_secret
+    cfg_path = a.config or os.environ.get("FLEXFLOW_CONFIG") or None
     try:
+        if cfg_path:
+            from ..config import load_config
+            rt = load_config(cfg_path).remote_tier
+            a.listen = a.listen or rt.listen
+            a.secret_file = a.secret_file or rt.secret_file
+        a.listen = a.listen or "127.0.0.1:0"
         secret = load_secret(a.secret_file)
     except FlexFlowError as e:
-        return fail(str(e))
+        return fail(" ".join(str(e).split()))
     try:
         srv = TierServer(a.listen, cap, a.page_nbytes, a.storage_path, a.storage_capacity_gb, a.lease_ttl_s,
                          a.verify_puts, a.node, max_conns=a.max_conns, relay=not a.no_relay,

@@ -185,6 +185,19 @@ class RemoteTierConfig:
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    """The transfer engine (flexflow_sglang/transfer/): background deep-tier I/O and prefetch."""
+    mode: str = "async"  # async: deep-tier I/O on engine workers | sync: on the scheduler thread (ablation)
+    workers: int = 2
+    queue_bytes: int = 256 << 20  # bytes queued/running jobs may hold; a full queue drops the copy
+    chunk_bytes: int = 4 << 20
+    load_timeout_ms: float = 1000.0  # a load-back waits this long on a deep fetch, then it is a miss
+    prefetch_policy: str = "timeout"  # off | best_effort | wait_complete | timeout
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_ki_token_s: float = 0.25
+
+
+@dataclass(frozen=True)
 class PDConfig:
     enabled: bool = False
     policy: str = "adaptive"  # adaptive | first_rail | primary
@@ -212,6 +225,11 @@ _RULES: Dict[str, Dict[str, tuple]] = {
     "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
            "rails": ("str_list", None), "rail_gbps": ("opt_positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,
+    "transfer": {"mode": ("choice", ("async", "sync")), "workers": ("int_range", (1, 16)),
+                 "queue_bytes": ("int_range", (1 << 20, 1 << 40)), "chunk_bytes": ("int_range", (4096, 1 << 34)),
+                 "load_timeout_ms": ("positive", None),
+                 "prefetch_policy": ("choice", ("off", "best_effort", "wait_complete", "timeout")),
+                 "prefetch_timeout_base_s": ("nonneg", None), "prefetch_timeout_per_ki_token_s": ("nonneg", None)},
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",
                 ("DEBUG", "INFO", "WARNING", "ERROR"))}
@@ -226,6 +244,7 @@ class FlexFlowConfig:
     storage_tier: StorageTierConfig = field(default_factory=StorageTierConfig)
     remote_tier: RemoteTierConfig = field(default_factory=RemoteTierConfig)
     pd: PDConfig = field(default_factory=PDConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     selector_impl: str = "auto"
     log_level: str = "INFO"
     path: Optional[str] = None  # the file it came from (None = defaults)
@@ -250,7 +269,7 @@ class FlexFlowConfig:
 
 _SECTION_CLASSES = {"topology": TopologyConfig, "monitor": MonitorConfig, "host_tier": HostTierConfig,
                     "storage_tier": StorageTierConfig, "remote_tier": RemoteTierConfig,
-                    "pd": PDConfig}
+                    "pd": PDConfig, "transfer": TransferConfig}
 
 
 MAX_ALIASES = 16       # a config needs none; an alias bomb needs many

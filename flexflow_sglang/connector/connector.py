@@ -24,6 +24,8 @@ import torch
 
 from ..config import FlexFlowConfig, build_topology, load_config
 from ..errors import ConfigError
+from ..transfer import Job, JobState, engine_from_config
+from ..transfer.legs import deep_prefix, tier_get, tier_put
 from .executors import TransferExecutor
 from .host_tier import HostTier, contiguous_runs
 from .layout import KVLayout
@@ -53,6 +55,24 @@ class StoreHandle:
     ok: bool = False
     stored_pages: int = 0
     _work: Any = field(default=None, repr=False)
+
+
+@dataclass(eq=False)
+class PrefetchHandle:
+    """What `prefetch` returns: the engine fetches the leading `keys` the deeper tiers hold into
+    the host tier in the background. `done` once the pages are committed (or it failed, was
+    dropped or discarded); `pages` = leading pages of `keys` now in the host tier because of it."""
+    keys: List[bytes]
+    done: bool = False
+    pages: int = 0
+    failed: bool = False
+    cancelled: bool = False
+    job: Any = field(default=None, repr=False)
+
+    def cancel(self) -> None:
+        """The request is gone (abort, flush): a queued fetch skips its I/O; what a running one
+        brings back still lands in the host tier (valid KV for later requests)."""
+        self.cancelled = True
 
 
 class FlexFlowConnector:
@@ -90,8 +110,15 @@ class FlexFlowConnector:
                 agent.start()
         self.agent = agent
         self.selector = PathSelector(self.topology, agent, self.config.selector, impl=self.config.selector_impl)
+        # the one transfer engine: routes every move, runs deep-tier I/O on its workers
+        tc = self.config.transfer
+        self.engine = engine_from_config(self.selector, agent, tc, ttft_sensitive=self.config.selector.ttft_sensitive)
+        self.load_timeout_s = tc.load_timeout_ms / 1000.0
+        self.prefetch_policy = tc.prefetch_policy if self.engine.is_async else "off"
+        self._gen = 0  # bumped by clear(): results of jobs started before it are stale
+        self._reaping = False
         self.executor = TransferExecutor(layout, self.selector, agent, self.device_node, self.host_node,
-                                         ttft_sensitive=self.config.selector.ttft_sensitive)
+                                         ttft_sensitive=self.config.selector.ttft_sensitive, engine=self.engine)
 
         cap_pages = self._capacity_pages(hc, layout)
         pin = hc.pin_memory == "always" or (hc.pin_memory == "auto" and torch.cuda.is_available()
@@ -116,7 +143,9 @@ class FlexFlowConnector:
             "lookups", "lookup_pages_host", "lookup_pages_deep", "loads", "load_failures", "pages_loaded",
             "pages_loaded_host", "pages_loaded_deep", "stores", "store_failures", "pages_stored", "pages_deduplicated",
             "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled", "pages_written_through",
-            "write_through_failures")}
+            "write_through_failures", "write_through_dropped", "spills_dropped", "pages_spill_dropped",
+            "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
+            "prefetch_failures", "prefetch_discarded", "prefetch_capped")}
         self._hits_by_tier: Dict[str, int] = {"host": 0}
         logger.info("flexflow: config %s; topology %s; selector core %s; host tier %d pages (%.1f MiB%s) on %s, "
                     "policy %s, checksums %s; deeper tiers %s; device node %s; %s",
@@ -199,15 +228,16 @@ class FlexFlowConnector:
                                max(0, n) // self.page_size, bigram)
 
     # ----------------------------------------------------------------- lookup / load
-    def lookup(self, keys: Sequence[bytes]) -> int:
+    def lookup(self, keys: Sequence[bytes], deep: bool = True) -> int:
         """Leading pages of `keys` available in the host tier or, page by page, the deeper tiers.
         (Host LRU evicts a prefix's oldest pages first, so a prefix often starts in a deeper tier
-        and continues in host memory.)"""
+        and continues in host memory.) `deep=False`: the host tier only (a request whose deep
+        pages a prefetch brings into host memory: no deep-tier round trip on the scheduler thread)."""
         self._m["lookups"] += 1
         total = len(keys)
         n = self.host.contains_prefix(keys)
         in_host = n
-        while n < total and self.tiers:
+        while deep and n < total and self.tiers:
             m = 0
             for tier in self.tiers:
                 try:
@@ -275,30 +305,53 @@ class FlexFlowConnector:
         return False
 
     def _fetch_deep(self, keys: Sequence[bytes]) -> Optional[torch.Tensor]:
-        """Pages of `keys` from the deeper tiers into a page-major staging tensor (all, or None)."""
+        """Pages of `keys` from the deeper tiers into a page-major staging tensor (all, or None).
+        An engine job; the load-back waits at most `transfer.load_timeout_ms` for it (async)."""
         if not self.tiers:
             return None
-        staging = torch.empty((len(keys), self.layout.page_words), dtype=self.layout.word_dtype)
+        job = Job("fetch", lambda j: self._read_deep(keys, len(keys)), nbytes=len(keys) * self.layout.page_nbytes)
+        if not self.engine.submit(job):
+            self._m["fetch_dropped"] += 1
+            return None
+        if not job.wait(self.load_timeout_s):
+            job.abandoned = True  # it finishes on its own; its staging is dropped
+            self._m["fetch_timeouts"] += 1
+            logger.warning("flexflow: deep-tier fetch of %d pages exceeded %.0f ms; treated as a miss",
+                           len(keys), self.load_timeout_s * 1e3)
+            return None
+        if not job.ok or job.result is None:
+            return None
+        got, staging, hits = job.result
+        self._count_hits(hits)
+        return staging if got == len(keys) else None
+
+    def _read_deep(self, keys: Sequence[bytes], n: int):
+        """(pages got, staging, {tier: pages}): the leading `n` pages of `keys` from whichever deeper
+        tier holds each run. Engine worker (or inline in sync mode); touches only its staging."""
+        staging = torch.empty((n, self.layout.page_words), dtype=self.layout.word_dtype)
         u8 = staging.view(torch.uint8)
-        got = 0
-        while got < len(keys):
+        got, hits = 0, {}
+        while got < n:
             m = 0
             for tier in self.tiers:
                 try:
-                    m = self.executor.tier_io(tier.node, self.host_node, (len(keys) - got) * self.layout.page_nbytes,
-                                              lambda: tier.get_many_into(keys[got:], u8[got:]))
+                    m = tier_get(self.engine, tier, self.host_node, keys[got:n], u8[got:n])
                 except Exception:  # noqa: BLE001
                     logger.exception("flexflow: tier %s read failed", tier.name)
                     m = 0
                 if m > 0:
-                    self._hits_by_tier[tier.name] = self._hits_by_tier.get(tier.name, 0) + m
+                    hits[tier.name] = hits.get(tier.name, 0) + m
                     break
             if m <= 0:
-                return None
+                break
             got += m
-        return staging
+        return got, staging, hits
 
-    def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> None:
+    def _count_hits(self, hits: Mapping[str, int]) -> None:
+        for name, m in hits.items():
+            self._hits_by_tier[name] = self._hits_by_tier.get(name, 0) + m
+
+    def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> int:
         """Copy pages that came from a deeper tier into the host tier (best effort)."""
         pages, evicted = self.host.reserve(len(keys), protect=set(keys))
         self._spill(evicted)
@@ -307,6 +360,7 @@ class FlexFlowConnector:
             for i0, i1, start in contiguous_runs(pages):
                 self.host.words[start:start + (i1 - i0)].copy_(staging[i0:i1])
             self.host.commit(keys[:k], pages)
+        return k
 
     # ----------------------------------------------------------------- store
     def store(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> StoreHandle:
@@ -362,17 +416,30 @@ class FlexFlowConnector:
 
     def _write_through(self, keys, pages) -> None:
         """Copy freshly stored pages to deeper tiers configured write-through (persistence across
-        restarts, sharing with other instances). Synchronous; a failure only costs a future hit."""
-        for tier in self.tiers:
-            if not getattr(tier, "write_through", False):
-                continue
+        restarts, sharing with other instances): one engine job reading the pinned host pages. A
+        full queue drops the copy (a future miss, counted), it never waits."""
+        tiers = [t for t in self.tiers if getattr(t, "write_through", False)]
+        if not tiers:
+            return
+        keys, pages = list(keys), list(pages)
+        self.host.pin(pages)  # the job reads them: no eviction or reuse until it is reaped
+        job = Job("write_through", self._write_through_run, nbytes=len(pages) * self.layout.page_nbytes,
+                  ctx=(keys, pages, tiers))
+        if not self._submit(job):
+            self.host.unpin(pages)
+            self._m["write_through_dropped"] += 1
+
+    def _write_through_run(self, job: Job):
+        keys, pages, tiers = job.ctx
+        rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long)).view(torch.uint8)
+        out = {}
+        for tier in tiers:
             try:
-                rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long)).view(torch.uint8)
-                n = self.executor.tier_io(self.host_node, tier.node, rows.numel(), lambda: tier.put_many(keys, rows))
-                self._m["pages_written_through"] += int(n or 0)
-            except Exception:  # noqa: BLE001
+                out[tier.name] = tier_put(self.engine, tier, self.host_node, keys, rows)
+            except Exception:  # noqa: BLE001 - a failure only costs a future hit
                 logger.exception("flexflow: write-through of %d pages to %s failed", len(keys), tier.name)
-                self._m["write_through_failures"] += 1
+                out[tier.name] = -1
+        return out
 
     def _store_failed(self, h: StoreHandle, why: str) -> None:
         self._m["store_failures"] += 1
@@ -380,27 +447,133 @@ class FlexFlowConnector:
         h.done, h.ok = True, False
 
     def _spill(self, evicted) -> None:
-        """Host-tier LRU victims go to the first deeper tier before their pages are reused."""
+        """Host-tier LRU victims go to the first deeper tier: their bytes are copied out now (the
+        caller reuses the pages next), the tier write is an engine job. A full queue drops them."""
         if not evicted or not self.tiers:
             return
         keys = [k for k, _ in evicted]
-        pages = torch.as_tensor([p for _, p in evicted], dtype=torch.long)
+        nbytes = len(keys) * self.layout.page_nbytes
+        if not self.engine.fits(nbytes):
+            self._m["spills_dropped"] += 1
+            self._m["pages_spill_dropped"] += len(keys)
+            return
         tier = self.tiers[0]
+        rows = self.host.words.index_select(0, torch.as_tensor([p for _, p in evicted], dtype=torch.long))
+        job = Job("spill", lambda j: tier_put(self.engine, tier, self.host_node, keys, rows.view(torch.uint8)),
+                  nbytes=nbytes, ctx=(keys, tier))
+        if not self._submit(job):
+            self._m["spills_dropped"] += 1
+            self._m["pages_spill_dropped"] += len(keys)
+
+    # ----------------------------------------------------------------- prefetch
+    def prefetch(self, keys: Sequence[bytes]) -> PrefetchHandle:
+        """Fetch, in the background, the leading pages of `keys` the deeper tiers hold into the
+        host tier (keys: a request's pages past its host hit). Poll until `handle.done`."""
+        h = PrefetchHandle(list(keys))
+        if self._closed or not keys or not self.tiers or self.prefetch_policy == "off":
+            h.done = True
+            return h
+        self._m["prefetches"] += 1
+        h.job = Job("prefetch", self._prefetch_run, ctx=(h, self._gen))
+        if not self.engine.submit(h.job):
+            self._m["prefetch_dropped"] += 1
+            h.done, h.failed = True, True
+        return h
+
+    def _prefetch_run(self, job: Job):
+        h, _ = job.ctx
+        if h.cancelled:
+            return None
+        n = deep_prefix(self.tiers, h.keys)
+        if n <= 0:
+            return 0, None, {}
+        P = self.layout.page_nbytes
+        granted = self.engine.grant(job, n * P) // P  # the queue bound covers prefetch staging too
+        if granted < n:
+            job.ctx = (h, job.ctx[1], n - granted)
+        return self._read_deep(h.keys, granted) if granted > 0 else (0, None, {})
+
+    def _finish_prefetch(self, job: Job) -> None:
+        h, gen = job.ctx[0], job.ctx[1]
+        if len(job.ctx) > 2:
+            self._m["prefetch_capped"] += 1
+        h.done = True
+        if job.state != JobState.DONE or job.result is None:
+            h.failed = job.state != JobState.DONE
+            if h.failed:
+                self._m["prefetch_failures"] += 1
+            return
+        got, staging, hits = job.result
+        if gen != self._gen or self._closed:
+            self._m["prefetch_discarded"] += 1  # cleared meanwhile: the KV is stale
+            return
+        if got > 0:
+            k = self._promote(h.keys[:got], staging[:got])
+            h.pages = k
+            self._m["prefetch_pages"] += k
+
+    # ----------------------------------------------------------------- engine jobs
+    def _submit(self, job: Job) -> bool:
+        ok = self.engine.submit(job)
+        if ok and not self.engine.is_async:
+            self._reap()  # inline job: settle it now (unpin, count)
+        return ok
+
+    def _reap(self) -> int:
+        """Settle finished engine jobs on this (the owner's) thread: unpin, count, commit
+        prefetched pages. Re-entrant calls (a commit that spills) return at once."""
+        if self._reaping:
+            return 0
+        self._reaping = True
+        n = 0
         try:
-            rows = self.host.words.index_select(0, pages).view(torch.uint8)
-            n = self.executor.tier_io(self.host_node, tier.node, rows.numel(), lambda: tier.put_many(keys, rows))
-            self._m["pages_spilled"] += n
-        except Exception:  # noqa: BLE001 - losing a victim is a future miss, not an error
-            logger.exception("flexflow: spill of %d pages to %s failed", len(keys), self.tiers[0].name)
-            self._m["spill_failures"] += 1
+            while True:
+                jobs = self.engine.poll()
+                if not jobs:
+                    return n
+                for job in jobs:
+                    n += 1
+                    try:
+                        self._settle(job)
+                    except Exception:  # noqa: BLE001 - bookkeeping of one job must not stop the rest
+                        logger.exception("flexflow: settling a %s job failed", job.kind)
+        finally:
+            self._reaping = False
+
+    def _settle(self, job: Job) -> None:
+        ok = job.state == JobState.DONE
+        if job.kind == "write_through":
+            keys, pages, _ = job.ctx
+            self.host.unpin(pages)
+            res = job.result if ok else None
+            if not res:
+                self._m["write_through_failures"] += 0 if job.state == JobState.CANCELLED else 1
+                return
+            self._m["pages_written_through"] += sum(max(0, v) for v in res.values())
+            self._m["write_through_failures"] += sum(1 for v in res.values() if v < 0)
+        elif job.kind == "spill":
+            if ok:
+                self._m["pages_spilled"] += int(job.result or 0)
+            elif job.state == JobState.FAILED:
+                self._m["spill_failures"] += 1
+        elif job.kind == "prefetch":
+            self._finish_prefetch(job)
+        # "fetch": consumed (or abandoned) by the waiting load
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait for every queued and running engine job and settle them (tests, shutdown paths)."""
+        ok = self.engine.drain(timeout)
+        self._reap()
+        return ok
 
     # ----------------------------------------------------------------- async bookkeeping
     def poll(self) -> int:
-        """Advance queued stores; returns how many completed in this call."""
+        """Advance queued stores and settle finished engine jobs; returns how many stores completed."""
         n = 0
         while self._queue:
             self._run_store(self._queue.popleft())
             n += 1
+        self._reap()
         return n
 
     def reset(self) -> None:
@@ -414,8 +587,15 @@ class FlexFlowConnector:
             self._m["stores_cancelled"] += 1
 
     def clear(self) -> None:
-        """Forget every held page in every tier (e.g. after a weight update: the KV is stale)."""
+        """Forget every held page in every tier (e.g. after a weight update: the KV is stale).
+        Queued jobs are cancelled and running ones awaited (bounded by the tiers' own timeouts),
+        so no stale page lands in a tier after it was cleared."""
         self.reset()
+        self._gen += 1
+        self.engine.cancel_queued()
+        if not self.engine.drain(timeout=30.0):
+            logger.warning("flexflow: transfer jobs still running while the tiers are cleared")
+        self._reap()
         self.host.clear()
         for tier in self.tiers:
             try:
@@ -431,6 +611,8 @@ class FlexFlowConnector:
             return
         self._closed = True
         self.reset()
+        self.engine.close()
+        self._reap()
         if self._own_agent:
             self.agent.stop()
         for tier in self.tiers:
@@ -474,6 +656,7 @@ class FlexFlowConnector:
             host_tier=self.host.stats(),
             deeper_tiers={t.name: _safe_stats(t) for t in self.tiers},
             queued_stores=len(self._queue),
+            transfer=self.engine.stats(), prefetch_policy=self.prefetch_policy,
             page_size=ps, page_nbytes=pb, device_node=self.device_node, host_node=self.host_node,
             selector_impl=self.selector.impl,
         )

@@ -55,6 +55,10 @@ class HostTier:
         self._free: List[int] = []  # recycled pages (stack)
         self.evictions = 0
         self.checksum_failures = 0
+        # pages a background job still reads (write-through): never evicted, and not handed out
+        # again until unpinned, even if their key is discarded or the tier cleared meanwhile
+        self._pins: Dict[int, int] = {}
+        self._free_on_unpin: set = set()
 
     # ----------------------------------------------------------------- queries
     @property
@@ -112,7 +116,7 @@ class HostTier:
             for key in list(self._lru.keys()):
                 if len(pages) >= n:
                     break
-                if key in protect:
+                if key in protect or self._lru[key] in self._pins:
                     continue
                 p = self._lru.pop(key)
                 evicted.append((key, p))
@@ -122,7 +126,37 @@ class HostTier:
 
     def release(self, pages: Iterable[int]) -> None:
         """Give reserved pages back (a store that failed or was cancelled)."""
-        self._free.extend(sorted(pages, reverse=True))
+        self._free.extend(sorted(self._unpinned(pages), reverse=True))
+
+    # ----------------------------------------------------------------- pins (background readers)
+    def pin(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            self._pins[p] = self._pins.get(p, 0) + 1
+
+    def unpin(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            c = self._pins.get(p, 0) - 1
+            if c > 0:
+                self._pins[p] = c
+                continue
+            self._pins.pop(p, None)
+            if p in self._free_on_unpin:  # freed while a job still read it: free it now
+                self._free_on_unpin.discard(p)
+                self._free.append(p)
+
+    @property
+    def pinned_pages(self) -> int:
+        return len(self._pins)
+
+    def _unpinned(self, pages: Iterable[int]) -> List[int]:
+        """The pages that may go to the free list now; pinned ones are freed when unpinned."""
+        out = []
+        for p in pages:
+            if p in self._pins:
+                self._free_on_unpin.add(p)
+            else:
+                out.append(p)
+        return out
 
     def commit(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
         """Make reserved, written pages visible under `keys` (checksummed if enabled)."""
@@ -132,7 +166,7 @@ class HostTier:
         for k, p in zip(keys, pages):
             old = lru.pop(k, None)
             if old is not None:  # a duplicate key: keep the fresh copy, free the old page
-                self._free.append(old)
+                self._free.extend(self._unpinned([old]))
             lru[k] = p
 
     # ----------------------------------------------------------------- checksums
@@ -161,13 +195,13 @@ class HostTier:
         for k in keys:
             p = self._lru.pop(k, None)
             if p is not None:
-                self._free.append(p)
+                self._free.extend(self._unpinned([p]))
                 n += 1
         return n
 
     def clear(self) -> None:
         """Forget every indexed page (reserved pages stay reserved)."""
-        self._free.extend(self._lru.values())
+        self._free.extend(self._unpinned(self._lru.values()))
         self._free.sort(reverse=True)  # the stack hands out low pages first
         self._lru.clear()
 
@@ -175,7 +209,8 @@ class HostTier:
         return {"capacity_pages": self.capacity_pages, "used_pages": self.used_pages, "free_pages": self.free_pages,
                 "page_nbytes": self.page_nbytes, "used_bytes": self.used_pages * self.page_nbytes,
                 "capacity_bytes": self.capacity_pages * self.page_nbytes, "evictions": self.evictions,
-                "checksum_failures": self.checksum_failures, "pinned": int(self.pinned)}
+                "checksum_failures": self.checksum_failures, "pinned": int(self.pinned),
+                "pages_pinned_by_jobs": len(self._pins)}
 
     def close(self) -> None:
         self._lru.clear()

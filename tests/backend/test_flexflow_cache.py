@@ -214,6 +214,7 @@ def test_deeper_tier_hits_report_storage(envs):
     serve(env, "a", a)
     serve(env, "x", list(range(50, 58)))  # the 8-page host tier spills a's pages to the deeper tier
     evict_all(env)
+    assert env.connector.drain(5)  # spills are transfer-engine jobs
     assert tier.puts == 8
     r = serve(env, "b", a + [1])
     assert r.loaded == len(a) and r.kv_ok and r.storage_hit == len(a)

@@ -1,0 +1,197 @@
+"""Deep-tier I/O off the caller's thread: write-through, spills, load-back fetches and prefetches as
+transfer-engine jobs, with a bounded queue and pinned host pages (real SGLang KV pool, CPU)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+
+from flexflow_sglang.config import config_from_dict  # noqa: E402
+from flexflow_sglang.connector import FlexFlowConnector, InMemoryTier, KVLayout  # noqa: E402
+
+from test_connector_host_tier import mha, rand_slots, same, snapshot  # noqa: E402
+
+
+def cfg(host_tokens=64, **transfer):
+    return config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+                             "host_tier": {"capacity_tokens": host_tokens, "pin_memory": "never"},
+                             "transfer": transfer}, "<test>")
+
+
+class GatedTier(InMemoryTier):
+    """An in-memory tier whose puts/gets wait for `gate` (a slow link), recording their threads."""
+
+    def __init__(self, write_through=True):
+        super().__init__(name="slow", node="nvme0")
+        self.write_through = write_through
+        self.gate = threading.Event()
+        self.threads = set()
+
+    def put_many(self, keys, pages_u8):
+        self.threads.add(threading.current_thread())
+        self.gate.wait(10)
+        return super().put_many(keys, pages_u8)
+
+    def get_many_into(self, keys, out_u8):
+        self.threads.add(threading.current_thread())
+        self.gate.wait(10)
+        return super().get_many_into(keys, out_u8)
+
+
+@pytest.fixture
+def conns():
+    made = []
+
+    def _make(kv, config, tiers=()):
+        c = FlexFlowConnector(KVLayout.from_pool(kv, 1), config, fingerprint={"t": 2}, tiers=list(tiers),
+                              start_agent=False)
+        made.append(c)
+        return c
+
+    yield _make
+    for c in made:
+        for t in c.tiers:
+            getattr(t, "gate", threading.Event()).set()
+        c.close()
+
+
+def test_write_through_runs_off_thread_and_pins_pages(conns):
+    kv = mha(ps=1, layers=4, heads=4, dim=64)
+    tier = GatedTier()
+    c = conns(kv, cfg(host_tokens=8), [tier])
+    a = c.page_keys(list(range(8)))
+    t0 = time.perf_counter()
+    assert c.store(a, rand_slots(8, 1, 1)).ok  # host copy done; the tier write waits on the gate
+    assert time.perf_counter() - t0 < 2.0 and c.host.pinned_pages == 8
+    assert threading.current_thread() not in tier.threads
+    # the host tier is full of pages the write still reads: a new store may not take them
+    b = c.page_keys(list(range(100, 108)))
+    h = c.store(b, rand_slots(8, 1, 2))
+    assert not h.ok and h.stored_pages == 0 and c.lookup(a) == 8
+    c.host.discard(a[:2])  # discarded while pinned: freed only when the job ends
+    assert c.host.free_pages == 0
+    tier.gate.set()
+    assert c.drain(5)
+    assert c.host.pinned_pages == 0 and c.host.free_pages == 2
+    assert tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8
+    rows = torch.stack([tier.pages[k] for k in a[2:]])
+    host_rows = c.host.words[torch.tensor([c.host.page_of(k) for k in a[2:]])].view(torch.uint8)
+    assert torch.equal(rows, host_rows)  # the tier got the bytes the host tier holds
+
+
+def test_full_queue_drops_write_through_never_blocks(conns):
+    kv = mha(ps=1, layers=4, heads=4, dim=64)  # 4 KiB pages
+    tier = GatedTier()
+    c = conns(kv, cfg(host_tokens=512, queue_bytes=1 << 20), [tier])
+    assert c.store(c.page_keys(list(range(200))), rand_slots(200, 1, 3)).ok  # 800 KiB queued
+    t0 = time.perf_counter()
+    h = c.store(c.page_keys(list(range(1000, 1100))), rand_slots(100, 1, 4))  # 400 KiB more: over 1 MiB
+    assert h.ok and time.perf_counter() - t0 < 2.0
+    m = c.metrics()
+    assert m["write_through_dropped"] == 1 and m["transfer"]["dropped"] == 1
+    assert c.host.pinned_pages == 200  # the dropped job's pages were unpinned at once
+    tier.gate.set()
+    assert c.drain(5) and c.host.pinned_pages == 0 and len(tier.pages) == 200
+
+
+def test_spill_dropped_when_queue_full(conns):
+    kv = mha(ps=1, layers=4, heads=4, dim=64)
+    tier = GatedTier(write_through=False)
+    c = conns(kv, cfg(host_tokens=300, queue_bytes=1 << 20), [tier])
+    c.store(c.page_keys(list(range(250))), rand_slots(250, 1, 5))
+    c.store(c.page_keys(list(range(5000, 5200))), rand_slots(200, 1, 6))  # 150 victims: one spill job, 600 KiB
+    c.store(c.page_keys(list(range(9000, 9200))), rand_slots(200, 1, 7))  # 200 more victims: no room
+    m = c.metrics()
+    assert m["spills_dropped"] == 1 and m["pages_spill_dropped"] == 200
+    tier.gate.set()
+    assert c.drain(5) and c.metrics()["pages_spilled"] == 150
+
+
+def test_load_back_fetch_is_bounded(conns):
+    kv = mha(ps=1)
+    tier = GatedTier(write_through=False)
+    c = conns(kv, cfg(host_tokens=4, load_timeout_ms=200), [tier])
+    a = c.page_keys(list(range(4)))
+    c.store(a, rand_slots(4, 1, 8))
+    c.store(c.page_keys(list(range(50, 54))), rand_slots(4, 1, 9))  # a -> the tier
+    tier.gate.set()
+    assert c.drain(5) and tier.contains_prefix(a) == 4
+    tier.gate.clear()  # the tier becomes slow
+    dst = rand_slots(4, 1, 10)
+    snap = snapshot(kv, dst)
+    t0 = time.perf_counter()
+    assert not c.load(a, dst)  # a miss after ~200 ms, not a stall until the tier answers
+    assert 0.15 < time.perf_counter() - t0 < 2.0 and same(kv, dst, snap)
+    assert c.metrics()["fetch_timeouts"] == 1
+    tier.gate.set()
+    assert c.drain(5)
+
+
+def test_sync_mode_runs_on_the_caller(conns):
+    kv = mha(ps=1)
+    tier = GatedTier()
+    tier.gate.set()
+    c = conns(kv, cfg(mode="sync"), [tier])
+    assert c.prefetch_policy == "off"
+    c.store(c.page_keys(list(range(10))), rand_slots(10, 1, 11))
+    assert tier.threads == {threading.current_thread()} and len(tier.pages) == 10
+    assert c.host.pinned_pages == 0 and c.metrics()["pages_written_through"] == 10
+
+
+def test_prefetch_brings_deep_pages_into_host(conns):
+    kv = mha(ps=1)
+    tier = GatedTier(write_through=False)
+    c = conns(kv, cfg(host_tokens=16), [tier])
+    a = c.page_keys(list(range(16)))
+    src = rand_slots(16, 1, 12)
+    snap = snapshot(kv, src)
+    c.store(a, src)
+    c.store(c.page_keys(list(range(500, 516))), rand_slots(16, 1, 13))  # all of a -> the tier
+    tier.gate.set()
+    assert c.drain(5) and c.host.contains_prefix(a) == 0 and tier.contains_prefix(a) == 16
+    tier.gate.clear()
+    h = c.prefetch(a[:10] + [b"\0" * 32])  # 10 pages held, then a key no tier has
+    c.poll()
+    assert not h.done and c.lookup(a, deep=False) == 0
+    tier.gate.set()
+    assert c.drain(5) and h.done and h.pages == 10 and not h.failed
+    assert c.lookup(a, deep=False) == 10
+    dst = rand_slots(10, 1, 14)
+    assert c.load(a[:10], dst) and same(kv, dst, [(k[:10], v[:10]) for k, v in snap])
+    assert c.last_load_deep_pages == 0  # a host hit now
+    assert c.metrics()["prefetch_pages"] == 10
+
+
+def test_prefetch_cancel_clear_and_failure_are_misses(conns):
+    kv = mha(ps=1)
+    tier = GatedTier(write_through=False)
+    c = conns(kv, cfg(host_tokens=8), [tier])
+    a = c.page_keys(list(range(8)))
+    c.store(a, rand_slots(8, 1, 15))
+    c.store(c.page_keys(list(range(300, 308))), rand_slots(8, 1, 16))
+    tier.gate.set()
+    assert c.drain(5)
+    tier.gate.clear()
+    h1 = c.prefetch(a)  # will be running (blocked in the tier) when the tiers are cleared
+    time.sleep(0.1)
+    h2 = c.prefetch(a)
+    h2.cancel()
+    threading.Timer(0.2, tier.gate.set).start()
+    c.clear()  # waits for the running fetch; its pages are stale and must not land
+    assert h1.done and h1.pages == 0 and h2.done and h2.pages == 0
+    assert c.lookup(a) == 0 and c.metrics()["prefetch_discarded"] >= 1
+
+    class Broken(InMemoryTier):
+        def contains_prefix(self, keys):
+            return len(keys)
+
+        def get_many_into(self, keys, out):
+            raise OSError("link down")
+    c2 = conns(mha(ps=1), cfg(), [Broken("broken", "nvme0")])
+    h = c2.prefetch(c2.page_keys(list(range(5))))
+    assert c2.drain(5) and h.done and h.pages == 0 and c2.lookup(h.keys, deep=False) == 0

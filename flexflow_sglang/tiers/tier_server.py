@@ -18,7 +18,8 @@ reservations of a PUT) belong to the connection that took them: only it can COMM
 they end then, when that connection closes, or after --lease-ttl-s. Binds 127.0.0.1 unless --listen
 says otherwise.
 
-Hostile or broken clients: a connection that sends no frame for --idle-timeout-s, or takes longer
+Hostile or broken clients: a connection that sends no frame for --idle-timeout-s (--lease-ttl-s
+while it holds a lease: it is moving data), or takes longer
 than --frame-timeout-s for one frame once it started (slowloris), or does not read its replies, is
 cut. Client frames are read with tight limits (wire.SERVER_MAX_JSON / SERVER_MAX_BLOB, at most
 wire.MAX_KEYS_PER_FRAME keys), so one connection holds a bounded amount of memory (docs/tiers.md).
@@ -729,10 +730,12 @@ class TierServer:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._stop.is_set():
+                with self.lock:  # a client between PUT_OK and COMMIT (or LOOKUP and RELEASE) is
+                    held = any(l.conn == cid for l in self.leases.values())  # moving data: lease TTL
+                idle_s = max(self.idle_timeout_s, self.lease_ttl_s) if held else self.idle_timeout_s
                 try:
                     f = read_frame(conn, None, SERVER_MAX_BLOB, auth=cs.auth, max_json=SERVER_MAX_JSON,
-                                   idle_deadline=time.monotonic() + self.idle_timeout_s,
-                                   frame_s=self.frame_timeout_s)
+                                   idle_deadline=time.monotonic() + idle_s, frame_s=self.frame_timeout_s)
                 except WireError as e:  # framing (or authentication) is lost: answer once, then close
                     self.c["errors"] += 1
                     if "authentica" in str(e) or "secret" in str(e):

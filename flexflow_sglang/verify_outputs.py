@@ -9,20 +9,31 @@ Usage::
     python -m flexflow_sglang.verify_outputs --phase test --url http://127.0.0.1:30001 \\
         --prompts flexflow_sglang/data/prompts.jsonl --baseline runs/baseline.json [--concurrency 4]
 
-Baseline phase: flushes the cache, then records ``output_ids`` and ``text`` of one greedy request
-(temperature 0, ``ignore_eos``) per prompt.
+Baseline phase (reference server): flushes the cache, then records one greedy request (temperature 0,
+``ignore_eos``) per prompt in file order (R1; later prompts of a family hit earlier ones' prefixes in
+the device tree), then the same prompts again without a flush (R2: device hits), with their cached
+lengths.
 
-Test phase, per prompt: R1 (fresh) then, after ``POST /flush_cache`` (which empties the device
-tree), R2 on the same prompt. Both must equal the baseline exactly (``output_ids`` and ``text``),
-and R2 must report ``meta_info.cached_tokens_details.host > 0`` -- the prefix came back from the
-host tier. The host-hit requirement is skipped, and said so, for prompts shorter than
+Test phase, per prompt: R1, R2d (the same prompt again, no flush: a device hit on this server),
+``POST /flush_cache`` (which empties the device tree), R2 (the same prompt: served from the host tier).
+Every comparison is like with like, because in bf16 SGLang itself does not reproduce a full prefill
+from a cache hit (a different extend shape rounds differently, see docs/correctness.md):
+- R1 must equal the baseline's R1 (same request history, same cached lengths);
+- R2 (host hit) must equal R2d (device hit, same server, same cached length): a wrong host load shows
+  here and nowhere else;
+- R2 must equal the baseline's R2 (the reference server's device hit) when their cached lengths are
+  equal; with a version-1 baseline (no R2), R2 is compared with the baseline's R1 as before;
+- R2 against the baseline's R1 (fresh) is reported as ``drift vs fresh`` (not counted, unless
+  ``--strict-fresh``), next to how often the reference server's own R2 drifts from its R1.
+R2 must report ``meta_info.cached_tokens_details.host > 0`` -- the prefix came back from the host
+tier. The host-hit requirement is skipped, and said so, for prompts shorter than
 ``--min-host-tokens`` (default 8) and entirely with ``--no-host-hit`` (e.g. a plain server).
-With ``--concurrency K`` > 1 all R1 requests run concurrently (K threads), then one flush, then all
-R2 requests concurrently; with K = 1 each prompt does R1, flush, R2 in turn.
+``--no-device-round`` skips R2d. With ``--concurrency K`` > 1 each round runs all prompts
+concurrently (K threads): R1, R2d, one flush, R2.
 
-Output: one line per prompt, then exactly ``Total mismatches: N`` as the last line (N = output
-mismatches of R1 and R2 + missing host hits + failed requests); exit status 1 if N > 0, 2 on a
-usage error or an unreachable server.
+Output: one line per prompt with every cached length (device / host / storage), then exactly
+``Total mismatches: N`` as the last line (N = counted mismatches + missing host hits + failed
+requests); exit status 1 if N > 0, 2 on a usage error or an unreachable server.
 """
 
 from __future__ import annotations
@@ -40,7 +51,9 @@ from typing import Dict, List, Optional, Sequence
 import requests
 from tqdm import tqdm
 
-BASELINE_VERSION = 1
+BASELINE_VERSION = 2
+#: baselines without an R2 round (compared as before: R2 against R1)
+READABLE_BASELINE_VERSIONS = (1, 2)
 DEFAULT_MAX_NEW_TOKENS = 16
 DEFAULT_MIN_HOST_TOKENS = 8
 
@@ -135,6 +148,9 @@ class PromptVerdict:
     notes: List[str] = field(default_factory=list)
     r1: Optional[dict] = None
     r2: Optional[dict] = None
+    r2d: Optional[dict] = None
+    #: R2 differs from the reference's fresh R1 (reported; counted only with strict_fresh)
+    drift_vs_fresh: bool = False
 
     @property
     def ok(self) -> bool:
@@ -146,7 +162,7 @@ class PromptVerdict:
         r = self.r2 or self.r1
         if r and "prompt_tokens" in r:
             parts.append(f"tokens={r['prompt_tokens']}")
-        for name, res in (("R1", self.r1), ("R2", self.r2)):
+        for name, res in (("R1", self.r1), ("R2d", self.r2d), ("R2", self.r2)):
             if res and "cached_tokens" in res:
                 parts.append(f"{name} cached={res['cached_tokens']} (device {res['device_cached']}, "
                              f"host {res['host_cached']}"
@@ -159,20 +175,31 @@ class PromptVerdict:
         return text
 
 
+def _cached(res: Optional[dict]) -> Optional[int]:
+    return None if not isinstance(res, dict) or res.get("cached_tokens") is None else int(res["cached_tokens"])
+
+
 def evaluate_prompt(
     pid: str,
     expected: Optional[dict],
     r1,
     r2,
     *,
+    r2d=None,
     text_hash: Optional[str] = None,
     require_host_hit: bool = True,
     min_host_tokens: int = DEFAULT_MIN_HOST_TOKENS,
+    strict_fresh: bool = False,
 ) -> PromptVerdict:
-    """Judge one prompt. ``r1``/``r2`` are normalized results or an error string (failed request).
-    Counts one mismatch per wrong/failed request and one per missing host hit."""
+    """Judge one prompt, like with like. ``expected`` is the baseline entry (its R1 at the top level,
+    its R2 under ``"r2"`` in version 2); ``r1``/``r2``/``r2d`` are normalized results or an error
+    string (failed request); ``r2d`` is None when the device round was skipped.
+
+    Counted: a failed request; R1 != baseline R1; R2 (host hit) != R2d (device hit on the same server
+    at the same cached length); R2 != the baseline's R2 at the same cached length (version 1: R2 !=
+    baseline R1); a missing host hit. Reported only (unless ``strict_fresh``): R2 != baseline R1."""
     v = PromptVerdict(pid, r1=r1 if isinstance(r1, dict) else None,
-                      r2=r2 if isinstance(r2, dict) else None)
+                      r2=r2 if isinstance(r2, dict) else None, r2d=r2d if isinstance(r2d, dict) else None)
     if expected is None:
         v.mismatches += 1
         v.problems.append("prompt not in baseline")
@@ -181,15 +208,48 @@ def evaluate_prompt(
         v.mismatches += 1
         v.problems.append("prompt text changed since the baseline was recorded")
         return v
-    for name, res in (("R1", r1), ("R2", r2)):
-        if not isinstance(res, dict):
+    for name, res in (("R1", r1), ("R2d", r2d), ("R2", r2)):
+        if res is not None and not isinstance(res, dict):
             v.mismatches += 1
             v.problems.append(f"{name} request failed: {res}")
-            continue
-        diffs = compare_outputs(expected, res)
+    if isinstance(r1, dict):
+        diffs = compare_outputs(expected, r1)
         if diffs:
             v.mismatches += 1
-            v.problems.append(f"{name} " + ", ".join(diffs))
+            v.problems.append("R1 vs baseline R1: " + ", ".join(diffs))
+    if isinstance(r2, dict):
+        if isinstance(r2d, dict):
+            if _cached(r2d) == _cached(r2):
+                diffs = compare_outputs(r2d, r2)
+                if diffs:
+                    v.mismatches += 1
+                    v.problems.append("R2 (host hit) vs R2d (device hit, same length): " + ", ".join(diffs))
+            else:
+                v.notes.append(f"R2d cached {_cached(r2d)} != R2 cached {_cached(r2)}: hit vs hit not compared")
+        ref2 = expected.get("r2")
+        if isinstance(ref2, dict):
+            if _cached(ref2) == _cached(r2):
+                diffs = compare_outputs(ref2, r2)
+                if diffs:
+                    v.mismatches += 1
+                    v.problems.append("R2 vs baseline R2 (same cached length): " + ", ".join(diffs))
+            else:
+                v.notes.append(f"baseline R2 cached {_cached(ref2)} != R2 cached {_cached(r2)}: not compared")
+            diffs = compare_outputs(expected, r2)
+            if diffs:
+                v.drift_vs_fresh = True
+                if strict_fresh:
+                    v.mismatches += 1
+                    v.problems.append("R2 vs baseline R1 (fresh): " + ", ".join(diffs))
+                else:
+                    v.notes.append("drift vs fresh (R2 != baseline R1"
+                                   + ("; the reference server drifts too" if not ref2.get("equals_r1", True) else "")
+                                   + ")")
+        else:  # version-1 baseline: R1 is the only reference
+            diffs = compare_outputs(expected, r2)
+            if diffs:
+                v.mismatches += 1
+                v.problems.append("R2 vs baseline R1: " + ", ".join(diffs))
     if require_host_hit and isinstance(r2, dict):
         problem, skipped = host_hit_check(r2, min_host_tokens)
         if problem:
@@ -305,18 +365,37 @@ def phase_baseline(args, prompts: List[dict], info: dict) -> int:
         err = flush(args.url, pd=getattr(args, 'pd', None))
         if err:
             raise UsageError(err)
-    results = run_batch(args.url, prompts, max_new, args.concurrency, "baseline", args.progress, getattr(args, 'pd', None))
-    entries, failures = {}, 0
+    results = run_batch(args.url, prompts, max_new, args.concurrency, "baseline R1", args.progress,
+                        getattr(args, 'pd', None))
+    # R2 without a flush: the reference for a cache hit at the same cached length
+    results2 = run_batch(args.url, prompts, max_new, args.concurrency, "baseline R2", args.progress,
+                         getattr(args, 'pd', None))
+    entries, failures, drift = {}, 0, 0
     for p in prompts:
         res = results[p["id"]]
         if not isinstance(res, dict):
             failures += 1
             print(f"[FAIL] {p['id']} :: request failed: {res}")
             continue
-        entries[p["id"]] = {"output_ids": res["output_ids"], "text": res["text"],
-                            "prompt_tokens": res["prompt_tokens"], "prompt_sha256": prompt_hash(p["text"])}
-        print(f"[ok  ] {p['id']} tokens={res['prompt_tokens']} out={len(res['output_ids'])} "
-              f"cached={res['cached_tokens']} latency={res['client_latency'] * 1000:.0f} ms")
+        entry = {"output_ids": res["output_ids"], "text": res["text"], "prompt_tokens": res["prompt_tokens"],
+                 "prompt_sha256": prompt_hash(p["text"]), "cached_tokens": res["cached_tokens"],
+                 "device_cached": res["device_cached"], "host_cached": res["host_cached"]}
+        res2 = results2[p["id"]]
+        note = ""
+        if isinstance(res2, dict):
+            same = not compare_outputs(res, res2)
+            drift += not same
+            entry["r2"] = {"output_ids": res2["output_ids"], "text": res2["text"], "equals_r1": same,
+                           "cached_tokens": res2["cached_tokens"], "device_cached": res2["device_cached"],
+                           "host_cached": res2["host_cached"]}
+            note = f" R2 cached={res2['cached_tokens']}" + ("" if same else " (R2 != R1: hit vs recompute drift)")
+        else:
+            failures += 1
+            note = f" R2 failed: {res2}"
+        entries[p["id"]] = entry
+        print(f"[{'ok  ' if isinstance(res2, dict) else 'FAIL'}] {p['id']} tokens={res['prompt_tokens']} "
+              f"out={len(res['output_ids'])} cached={res['cached_tokens']}{note} "
+              f"latency={res['client_latency'] * 1000:.0f} ms")
     doc = {"version": BASELINE_VERSION, "max_new_tokens": max_new, "url": args.url,
            "model_path": info.get("model_path"), "prompts_file": os.path.abspath(args.prompts),
            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "prompts": entries}
@@ -326,7 +405,8 @@ def phase_baseline(args, prompts: List[dict], info: dict) -> int:
         json.dump(doc, f, indent=1, sort_keys=True)
         f.write("\n")
     os.replace(tmp, args.out)
-    print(f"Recorded {len(entries)} of {len(prompts)} prompts (max_new_tokens {max_new}) to {args.out}")
+    print(f"Recorded {len(entries)} of {len(prompts)} prompts (max_new_tokens {max_new}) to {args.out}; "
+          f"the reference's own device hit differs from its fresh run in {drift}")
     print(f"Total mismatches: {failures}")
     return 1 if failures else 0
 
@@ -339,8 +419,8 @@ def load_baseline(path: str) -> dict:
         raise UsageError(f"cannot read baseline {path}: {e.strerror}") from None
     except ValueError as e:
         raise UsageError(f"baseline {path} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("version") != BASELINE_VERSION or "prompts" not in doc:
-        raise UsageError(f"{path} is not a verify_outputs baseline (version {BASELINE_VERSION})")
+    if not isinstance(doc, dict) or doc.get("version") not in READABLE_BASELINE_VERSIONS or "prompts" not in doc:
+        raise UsageError(f"{path} is not a verify_outputs baseline (versions {READABLE_BASELINE_VERSIONS})")
     return doc
 
 
@@ -350,25 +430,32 @@ def phase_test(args, prompts: List[dict], info: dict) -> int:
     if args.max_new_tokens is not None and args.max_new_tokens != max_new:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} differs from the baseline's {max_new}")
     flush_errors: List[str] = []
+    pd = getattr(args, "pd", None)
+    device_round = not args.no_device_round
+    r2d: Dict[str, object] = {}
     if args.concurrency > 1:
-        r1 = run_batch(args.url, prompts, max_new, args.concurrency, "R1", args.progress, getattr(args, 'pd', None))
-        err = flush(args.url, pd=getattr(args, 'pd', None))
+        r1 = run_batch(args.url, prompts, max_new, args.concurrency, "R1", args.progress, pd)
+        if device_round:
+            r2d = run_batch(args.url, prompts, max_new, args.concurrency, "R2d", args.progress, pd)
+        err = flush(args.url, pd=pd)
         if err:
             flush_errors.append(err)
-        r2 = run_batch(args.url, prompts, max_new, args.concurrency, "R2", args.progress, getattr(args, 'pd', None))
+        r2 = run_batch(args.url, prompts, max_new, args.concurrency, "R2", args.progress, pd)
     else:
         r1, r2 = {}, {}
-        for p in tqdm(prompts, desc="R1/flush/R2", unit="prompt", file=sys.stderr,
+        for p in tqdm(prompts, desc="R1/R2d/flush/R2", unit="prompt", file=sys.stderr,
                       disable=not args.progress, leave=False):
-            r1[p["id"]] = request_one(args.url, p["text"], max_new, pd=getattr(args, 'pd', None))
-            err = flush(args.url, pd=getattr(args, 'pd', None))
+            r1[p["id"]] = request_one(args.url, p["text"], max_new, pd=pd)
+            if device_round:
+                r2d[p["id"]] = request_one(args.url, p["text"], max_new, pd=pd)
+            err = flush(args.url, pd=pd)
             if err:
                 flush_errors.append(f"{p['id']}: {err}")
-            r2[p["id"]] = request_one(args.url, p["text"], max_new, pd=getattr(args, 'pd', None))
+            r2[p["id"]] = request_one(args.url, p["text"], max_new, pd=pd)
     verdicts = [
-        evaluate_prompt(p["id"], base["prompts"].get(p["id"]), r1[p["id"]], r2[p["id"]],
+        evaluate_prompt(p["id"], base["prompts"].get(p["id"]), r1[p["id"]], r2[p["id"]], r2d=r2d.get(p["id"]),
                         text_hash=prompt_hash(p["text"]), require_host_hit=not args.no_host_hit,
-                        min_host_tokens=args.min_host_tokens)
+                        min_host_tokens=args.min_host_tokens, strict_fresh=args.strict_fresh)
         for p in prompts
     ]
     for v in verdicts:
@@ -378,12 +465,21 @@ def phase_test(args, prompts: List[dict], info: dict) -> int:
     if args.no_host_hit:
         print("(host-hit requirement disabled: --no-host-hit)")
     total = total_mismatches(verdicts)
+    drift = sum(v.drift_vs_fresh for v in verdicts)
+    ref_drift = sum(1 for p in prompts if isinstance(base["prompts"].get(p["id"], {}).get("r2"), dict)
+                    and not base["prompts"][p["id"]]["r2"].get("equals_r1", True))
+    if any(isinstance(e.get("r2"), dict) for e in base["prompts"].values()):
+        print(f"Hit vs fresh drift (reported, {'counted' if args.strict_fresh else 'not counted'}): "
+              f"R2 != baseline R1 in {drift} of {len(prompts)} prompts; the reference server's own R2 != R1 "
+              f"in {ref_drift}")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"url": args.url, "baseline": os.path.abspath(args.baseline),
                        "total_mismatches": total, "concurrency": args.concurrency,
+                       "drift_vs_fresh": drift, "reference_drift": ref_drift,
                        "prompts": {v.pid: {"ok": v.ok, "mismatches": v.mismatches, "problems": v.problems,
-                                           "notes": v.notes, "r1": v.r1, "r2": v.r2} for v in verdicts}},
+                                           "notes": v.notes, "r1": v.r1, "r2d": v.r2d, "r2": v.r2,
+                                           "drift_vs_fresh": v.drift_vs_fresh} for v in verdicts}},
                       f, indent=1, sort_keys=True)
             f.write("\n")
     print(f"Total mismatches: {total}")
@@ -408,6 +504,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-host-hit", action="store_true",
                     help="do not require host-tier hits on R2 (e.g. a plain SGLang server)")
     ap.add_argument("--no-flush", action="store_true", help="baseline phase: do not flush first")
+    ap.add_argument("--no-device-round", action="store_true",
+                    help="test phase: skip R2d (the device-hit repeat before the flush)")
+    ap.add_argument("--strict-fresh", action="store_true",
+                    help="test phase: also count R2 != baseline R1 (hit vs fresh; SGLang itself drifts in bf16)")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm bars")
     ap.add_argument("--pd-prefill", metavar="URL", default=None,
                     help="PD disaggregation: the prefill server; --url is then the decode server")

@@ -73,6 +73,33 @@ def test_evaluate_prompt_counts():
     assert vo.total_mismatches([ok, both_bad, failed, short]) == 4
 
 
+BASE2 = dict(BASE, r2={"output_ids": [5, 6, 7, 8], "text": " cache tree", "cached_tokens": 19, "equals_r1": True})
+
+
+def test_evaluate_prompt_like_with_like():
+    """Version-2 baselines: R2 (host hit) is judged against hit runs at the same cached length; a
+    difference from the fresh run is drift, reported and counted only when asked for."""
+    host, dev = res(host=19), res(device=19)
+    ok = vo.evaluate_prompt("p", BASE2, res(), host, r2d=dev, text_hash="abc")
+    assert ok.ok and not ok.drift_vs_fresh and "R2d cached=19 (device 19" in ok.line()
+    # a wrong host load: R2 differs from the same server's device hit at the same length
+    bad = vo.evaluate_prompt("p", BASE2, res(), res(ids=(5, 6, 7, 9), host=19), r2d=dev)
+    assert bad.mismatches == 2  # vs R2d and vs the baseline's R2
+    assert "R2 (host hit) vs R2d (device hit, same length): output_ids differ at index 3" in bad.problems[0]
+    # SGLang's own hit-vs-recompute drift: both hits agree, the fresh run differs
+    drift_base = dict(BASE2, output_ids=[5, 6, 1, 1], r2=dict(BASE2["r2"], equals_r1=False))
+    drift = vo.evaluate_prompt("p", drift_base, res(ids=(5, 6, 1, 1)), host, r2d=dev)
+    assert drift.ok and drift.drift_vs_fresh and "the reference server drifts too" in drift.line()
+    strict = vo.evaluate_prompt("p", drift_base, res(ids=(5, 6, 1, 1)), host, r2d=dev, strict_fresh=True)
+    assert strict.mismatches == 1 and "R2 vs baseline R1 (fresh)" in strict.problems[0]
+    # different cached lengths are not compared, and the verdict says so
+    other_len = vo.evaluate_prompt("p", BASE2, res(), res(ids=(9,), host=19), r2d=res(ids=(9,), device=12))
+    assert other_len.mismatches == 1  # only vs the baseline's R2 (same length 19)
+    assert "R2d cached 12 != R2 cached 19: hit vs hit not compared" in other_len.line()
+    failed = vo.evaluate_prompt("p", BASE2, res(), host, r2d="HTTP 500: boom")
+    assert failed.mismatches == 1 and "R2d request failed" in failed.problems[0]
+
+
 def test_load_prompts_errors(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"id": 1, "text": "a"}\n\n{"id": "1", "text": "b"}\n')

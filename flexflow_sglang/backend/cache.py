@@ -58,6 +58,15 @@ class _HostHit:
         self.tokens, self.extra_key, self.cache_salt, self.bigram = tokens, extra_key, cache_salt, bigram
 
 
+class _Prefetch:
+    """A queued request's background prefetch (transfer engine): `ready` once the ranks agreed
+    the request may be scheduled (policy), `handle` the connector's PrefetchHandle (or None)."""
+    __slots__ = ("handle", "ready", "deadline")
+
+    def __init__(self, ready: bool):
+        self.handle, self.ready, self.deadline = None, ready, float("inf")
+
+
 class _KeyMemo:
     """Keys of one request's pages past its device prefix: chained from `prev` (the key ending the
     anchor's path), starting at page `first`, over the token snapshot `tokens`."""
@@ -83,11 +92,14 @@ class FlexFlowRadixCache(RadixCache):
         self._host_hits: Dict[CacheRequestHandle, _HostHit] = {}
         self._key_memo: "OrderedDict[CacheRequestHandle, _KeyMemo]" = OrderedDict()
         self._inflight: Deque[Tuple[Any, Any]] = deque()  # (StoreHandle, TreeLock), issue order
+        # per queued request, in arrival order (identical on every rank): prefetch on arrival
+        self._prefetch: "OrderedDict[CacheRequestHandle, _Prefetch]" = OrderedDict()
         self._released = False
         self._prom = None
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
-            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements")}
+            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "prefetches_issued",
+            "prefetch_holds", "prefetch_timeouts", "prefetch_ready")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
         if connector is None:
@@ -121,6 +133,10 @@ class FlexFlowRadixCache(RadixCache):
         super().reset()
         # the old tree is gone: its locks are forgotten, never released
         self._inflight.clear()
+        for ent in self._prefetch.values():  # flush: a prefetch still in flight ends as a miss
+            if ent.handle is not None:
+                ent.handle.cancel()
+        self._prefetch.clear()
         self._host_hits.clear()
         self._key_memo.clear()
 
@@ -165,7 +181,8 @@ class FlexFlowRadixCache(RadixCache):
         while end < total_pages:
             stop = min(total_pages, end + chunk)
             keys = self._suffix_keys(handle, prev, raw, first, stop, bigram)
-            m = self.connector.lookup(keys[end - first:])
+            # a request with a prefetch gets its deep pages through the host tier (no deep lookup here)
+            m = self.connector.lookup(keys[end - first:], deep=handle not in self._prefetch)
             hit_pages += m
             if end + m < stop:
                 break
@@ -206,7 +223,8 @@ class FlexFlowRadixCache(RadixCache):
             ok = slots is not None and slots.numel() == n
             if ok:
                 ok = self.connector.load(hit.keys, slots)
-            deep_pages = self.connector.last_load_deep_pages if ok else 0
+            # pages from a deeper tier: read inline now, or brought into host memory by the prefetch
+            deep_pages = self.connector.last_load_deep_pages + self._prefetched_pages(req, n) if ok else 0
             if self.rank_sync.active:
                 self._m["agreements"] += 1
                 ok = self.rank_sync.agree_all(ok)
@@ -323,6 +341,8 @@ class FlexFlowRadixCache(RadixCache):
             return
         self.connector.poll()
         self._drain()
+        if self._prefetch:
+            self._prefetch_tick()
         if self._prom is not None:
             self._prom.update(self._prom_metrics())  # throttled inside
 
@@ -359,6 +379,91 @@ class FlexFlowRadixCache(RadixCache):
     def has_unlanded_loads(self) -> bool:
         return False
 
+    # ================================================================= prefetch on arrival
+    def prefetch_on_arrival(self, req: "Req") -> None:
+        """A request was queued (Scheduler._prefetch_kvcache, plugin hook): start fetching the
+        deep-tier pages past its device + host hit into the host tier, so that its load-back is
+        a host hit. Scheduler thread, every rank, arrival order: the entry is made on every rank
+        whatever happens next, so the per-tick agreement sees the same list everywhere."""
+        conn = self.connector
+        if (conn is None or conn.closed or self.disable or conn.prefetch_policy == "off" or not conn.tiers
+                or self.is_eagle):
+            return
+        handle = req.cache_request_handle
+        self._forget(handle)  # a retracted request queued again: replace its state
+        ent = self._prefetch[handle] = _Prefetch(ready=conn.prefetch_policy == "best_effort")
+        try:
+            self._start_prefetch(req, handle, ent)
+        except Exception:  # noqa: BLE001 - a failed prefetch is a miss; the entry stays (rank agreement)
+            logger.exception("flexflow: prefetch on arrival failed")
+
+    def _start_prefetch(self, req: "Req", handle, ent: _Prefetch) -> None:
+        conn, ps = self.connector, self.page_size
+        ids = req.origin_input_ids + req.output_ids
+        key = RadixKey(_as_array(ids), req.extra_key, limit=req._compute_max_prefix_len(len(ids)),
+                       cache_salt=req.cache_salt)
+        res = self.match_prefix(MatchPrefixParams(key=key))  # device only (req=None): no lookup, no collective
+        dev, total = res.device_prefix_len, len(key) // ps
+        if total * ps <= dev:
+            return
+        raw = _as_array(key.raw_token_ids())
+        prev = self._chain_end(res.best_match_node, key.extra_key, key.cache_salt, False)
+        first = dev // ps
+        # the host hit, hashed lazily as match_prefix does (memoised: the coming match reuses it)
+        hit, end, chunk, keys = 0, first, LOOKUP_CHUNK_PAGES, []
+        while end < total:
+            stop = min(total, end + chunk)
+            keys = self._suffix_keys(handle, prev, raw, first, stop, False)
+            m = conn.host.contains_prefix(keys[end - first:])
+            hit += m
+            if end + m < stop:
+                break
+            end, chunk = stop, chunk * 4
+        start = first + hit
+        if start >= total:
+            return
+        ent.handle = conn.prefetch(chain=(keys[hit - 1] if hit else prev, raw[start * ps:total * ps],
+                                          total - start, False))
+        tc = conn.config.transfer
+        ent.deadline = time.monotonic() + tc.prefetch_timeout_base_s + \
+            tc.prefetch_timeout_per_ki_token_s * (total - start) * ps / 1024.0
+        self._m["prefetches_issued"] += 1
+
+    def _prefetch_tick(self) -> None:
+        """Per scheduler tick (after the connector settled finished jobs): a pending request
+        becomes ready when its prefetch ended or (timeout policy) its budget ran out, MIN-agreed
+        across ranks so that every rank holds or admits it in the same step."""
+        pend = [e for e in self._prefetch.values() if not e.ready]
+        if not pend:
+            return
+        now = time.monotonic()
+        timeout = self.connector.prefetch_policy == "timeout"
+        local = [1 if (e.handle is None or e.handle.done or (timeout and now >= e.deadline)) else 0 for e in pend]
+        if self.rank_sync.active:
+            self._m["agreements"] += 1
+            local = self.rank_sync.agree_min(local)
+        for e, r in zip(pend, local):
+            if r:
+                e.ready = True
+                self._m["prefetch_ready"] += 1
+                if e.handle is not None and not e.handle.done:
+                    self._m["prefetch_timeouts"] += 1
+
+    def _prefetched_pages(self, req: "Req", n: int) -> int:
+        """Pages of this load-back that its prefetch brought from a deeper tier (reported to
+        SGLang as storage hits, as the inline path does)."""
+        ent = self._prefetch.get(req.cache_request_handle)
+        h = ent.handle if ent is not None else None
+        return min(n // self.page_size, h.pages) if h is not None and h.done else 0
+
+    def prefetch_holds(self, req: "Req") -> bool:
+        """True while the request must stay queued for its prefetch (PrefillAdder.add_one_req hook)."""
+        ent = self._prefetch.get(req.cache_request_handle)
+        if ent is None or ent.ready:
+            return False
+        self._m["prefetch_holds"] += 1
+        return True
+
     # ================================================================= per-request state
     def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         self._forget(req.cache_request_handle)
@@ -367,6 +472,9 @@ class FlexFlowRadixCache(RadixCache):
         self._forget(handle)
 
     def _forget(self, handle: CacheRequestHandle) -> None:
+        ent = self._prefetch.pop(handle, None)
+        if ent is not None and ent.handle is not None:
+            ent.handle.cancel()  # aborted or finished: a fetch still queued skips its I/O
         self._host_hits.pop(handle, None)
         self._key_memo.pop(handle, None)
 
@@ -446,6 +554,7 @@ class FlexFlowRadixCache(RadixCache):
     def metrics(self) -> Dict[str, Any]:
         m: Dict[str, Any] = dict(self._m)
         m["inflight_stores"] = len(self._inflight)
+        m["pending_prefetches"] = sum(1 for e in self._prefetch.values() if not e.ready)
         if self.connector is not None and not self.connector.closed:
             m["connector"] = self.connector.metrics()
         return m

@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "flexflow"
 
 TICK_TARGET = "sglang.srt.managers.scheduler.Scheduler._process_hicache_events"
+#: called when a request is queued (arrival, retraction): SGLang's own storage prefetch does nothing
+#: unless --hicache-storage-backend is set; flexflow starts its prefetch after it
+ARRIVAL_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
+#: per candidate request in get_new_batch_prefill; a request whose prefetch must finish first is
+#: skipped (stays queued), as SGLang does for check_prefetch_progress behind enable_hicache_storage
+ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
 WEIGHT_UPDATE_TARGET = ("sglang.srt.managers.scheduler_components.weight_updater."
                         "SchedulerWeightUpdaterManager.flush_cache_after_weight_update")
 
@@ -47,6 +53,9 @@ def _register_hooks() -> None:
     # the closest thing to check_hicache_events for a registered backend: start of every
     # get_next_batch_to_run, on every rank, before rank-local decisions (collectives are safe)
     HookRegistry.register(TICK_TARGET, _flexflow_tick, HookType.BEFORE)
+    # prefetch on arrival (transfer engine), and hold the request until the policy lets it run
+    HookRegistry.register(ARRIVAL_TARGET, _flexflow_arrival, HookType.AROUND)
+    HookRegistry.register(ADMIT_TARGET, _flexflow_admit, HookType.AROUND)
     # new weights make every host copy stale
     HookRegistry.register(WEIGHT_UPDATE_TARGET, _clear_host_after_weight_update, HookType.BEFORE)
     # PD: KV managers of --disaggregation-transfer-backend nixl (active only with pd.enabled)
@@ -60,6 +69,22 @@ def _flexflow_tick(scheduler, *args, **kwargs):
     if getattr(tc, "is_flexflow", False):
         tc.poll()
     return None  # keep the original arguments
+
+
+def _flexflow_arrival(original, scheduler, req, *args, **kwargs):
+    out = original(scheduler, req, *args, **kwargs)
+    tc = getattr(scheduler, "tree_cache", None)
+    if getattr(tc, "is_flexflow", False):
+        tc.prefetch_on_arrival(req)  # never raises: the entry is made on every rank
+    return out
+
+
+def _flexflow_admit(original, adder, req, *args, **kwargs):
+    tc = getattr(adder, "tree_cache", None)
+    if getattr(tc, "is_flexflow", False) and tc.prefetch_holds(req):
+        from sglang.srt.managers.schedule_policy import AddReqResult
+        return AddReqResult.CONTINUE  # skip this one, keep looking at the queue
+    return original(adder, req, *args, **kwargs)
 
 
 def _clear_host_after_weight_update(manager, *args, **kwargs):

@@ -62,7 +62,7 @@ class PrefetchHandle:
     """What `prefetch` returns: the engine fetches the leading `keys` the deeper tiers hold into
     the host tier in the background. `done` once the pages are committed (or it failed, was
     dropped or discarded); `pages` = leading pages of `keys` now in the host tier because of it."""
-    keys: List[bytes]
+    keys: Optional[List[bytes]]        # None until the worker derived them from `chain`
     done: bool = False
     pages: int = 0
     failed: bool = False
@@ -466,36 +466,60 @@ class FlexFlowConnector:
             self._m["pages_spill_dropped"] += len(keys)
 
     # ----------------------------------------------------------------- prefetch
-    def prefetch(self, keys: Sequence[bytes]) -> PrefetchHandle:
+    def prefetch(self, keys: Optional[Sequence[bytes]] = None, *, chain=None) -> PrefetchHandle:
         """Fetch, in the background, the leading pages of `keys` the deeper tiers hold into the
-        host tier (keys: a request's pages past its host hit). Poll until `handle.done`."""
-        h = PrefetchHandle(list(keys))
-        if self._closed or not keys or not self.tiers or self.prefetch_policy == "off":
+        host tier (keys: a request's pages past its host hit). Poll until `handle.done`.
+        `chain=(prev, tokens, pages, bigram)` instead of keys: the worker hashes the pages itself,
+        in growing chunks, and stops at the first one no deeper tier holds (a miss costs the
+        scheduler thread no hashing)."""
+        h = PrefetchHandle(list(keys) if keys is not None else None)
+        empty = not keys if chain is None else chain[2] <= 0
+        if self._closed or empty or not self.tiers or self.prefetch_policy == "off":
             h.done = True
             return h
         self._m["prefetches"] += 1
-        h.job = Job("prefetch", self._prefetch_run, ctx=(h, self._gen))
+        h.job = Job("prefetch", self._prefetch_run, ctx=(h, self._gen, chain))
         if not self.engine.submit(h.job):
             self._m["prefetch_dropped"] += 1
             h.done, h.failed = True, True
         return h
 
     def _prefetch_run(self, job: Job):
-        h, _ = job.ctx
+        h, gen, chain = job.ctx
         if h.cancelled:
             return None
-        n = deep_prefix(self.tiers, h.keys)
+        if chain is not None:
+            h.keys = self._deep_chain(*chain)
+            n = len(h.keys)
+        else:
+            n = deep_prefix(self.tiers, h.keys)
         if n <= 0:
             return 0, None, {}
         P = self.layout.page_nbytes
         granted = self.engine.grant(job, n * P) // P  # the queue bound covers prefetch staging too
         if granted < n:
-            job.ctx = (h, job.ctx[1], n - granted)
+            job.ctx = (h, gen, chain, n - granted)
         return self._read_deep(h.keys, granted) if granted > 0 else (0, None, {})
+
+    def _deep_chain(self, prev: bytes, tokens, pages: int, bigram: bool) -> List[bytes]:
+        """Keys of the leading pages of `tokens` (chained after `prev`) that the deeper tiers hold:
+        hashed and looked up in chunks growing 4x (worker thread; chain_keys is pure)."""
+        ps, extra = self.page_size, 1 if bigram else 0
+        out: List[bytes] = []
+        j, chunk, cur = 0, 16, prev
+        while j < pages:
+            k = min(pages, j + chunk)
+            ks = self.chain_keys(cur, tokens[j * ps:k * ps + extra], k - j, bigram)
+            m = deep_prefix(self.tiers, ks)
+            out.extend(ks[:m])
+            if m < len(ks):
+                break
+            cur, j, chunk = ks[-1], k, chunk * 4
+        return out
 
     def _finish_prefetch(self, job: Job) -> None:
         h, gen = job.ctx[0], job.ctx[1]
-        if len(job.ctx) > 2:
+        if len(job.ctx) > 3:
             self._m["prefetch_capped"] += 1
         h.done = True
         if job.state != JobState.DONE or job.result is None:

@@ -154,7 +154,7 @@ class Served:
     storage_hit: int = 0
 
 
-def serve(env: Env, rid: str, ids: List[int], check_idle: bool = True, extra_key=None) -> Served:
+def serve(env: Env, rid: str, ids: List[int], check_idle: bool = True, extra_key=None, req=None) -> Served:
     """One request through match -> load-back -> lock -> alloc -> forward -> release_kv_cache."""
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
@@ -162,7 +162,8 @@ def serve(env: Env, rid: str, ids: List[int], check_idle: bool = True, extra_key
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     tree = env.tree
-    req = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=1), extra_key=extra_key)
+    if req is None:  # (a request already queued, e.g. through the prefetch hooks, is passed in)
+        req = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=1), extra_key=extra_key)
     req.init_next_round_input(tree)  # match_prefix(req=req)
     device_prefix = req.prefix_len
     host_hit = req.host_hit_length

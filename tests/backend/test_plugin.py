@@ -69,6 +69,7 @@ def test_load_plugins_registers_backend_and_hooks():
         plugin.register()  # idempotent: a duplicate registration would raise
         assert "flexflow" in registered_radix_cache_backends(), registered_radix_cache_backends()
         assert plugin.TICK_TARGET in HookRegistry._patched and plugin.WEIGHT_UPDATE_TARGET in HookRegistry._patched
+        assert plugin.ARRIVAL_TARGET in HookRegistry._patched and plugin.ADMIT_TARGET in HookRegistry._patched
         from sglang.srt.managers.scheduler import Scheduler
         assert Scheduler._process_hicache_events is not None
         print("OK")

@@ -178,7 +178,9 @@ def test_prefetch_cancel_clear_and_failure_are_misses(conns):
     assert c.drain(5)
     tier.gate.clear()
     h1 = c.prefetch(a)  # will be running (blocked in the tier) when the tiers are cleared
-    time.sleep(0.1)
+    end = time.monotonic() + 5
+    while h1.job.state.value != "running" and time.monotonic() < end:
+        time.sleep(0.01)
     h2 = c.prefetch(a)
     h2.cancel()
     threading.Timer(0.2, tier.gate.set).start()

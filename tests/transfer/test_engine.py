@@ -76,8 +76,9 @@ def test_jobs_run_off_thread_in_priority_order(eng):
     eng.n_workers = 1
     gate = threading.Event()
     order, threads = [], set()
-    assert eng.submit(Job("write_through", lambda j: gate.wait(5) and order.append("blocker")))
-    time.sleep(0.05)  # the blocker occupies the worker; the rest queue behind it
+    started = threading.Event()
+    assert eng.submit(Job("write_through", lambda j: started.set() or (gate.wait(5) and order.append("blocker"))))
+    assert started.wait(5)  # the blocker occupies the worker; the rest queue behind it
     for k in ("write_through", "spill", "prefetch", "fetch"):
         assert eng.submit(Job(k, (lambda k: lambda j: order.append(k) or threads.add(threading.current_thread()))(k)))
     gate.set()
@@ -106,11 +107,12 @@ def test_full_queue_drops_never_blocks(eng):
 def test_failed_and_cancelled_jobs_come_back(eng):
     gate = threading.Event()
     eng.n_workers = 1
-    assert eng.submit(Job("write_through", lambda j: gate.wait(5)))
+    started = threading.Event()
+    assert eng.submit(Job("write_through", lambda j: started.set() or gate.wait(5)))
+    assert started.wait(5)
     bad = Job("fetch", lambda j: 1 / 0)
     queued = Job("spill", lambda j: None)
     assert eng.submit(bad) and eng.submit(queued)
-    time.sleep(0.05)
     assert eng.cancel_queued(kinds={"spill"}) == 1
     gate.set()
     assert eng.drain(5)
@@ -134,7 +136,9 @@ def test_sync_mode_runs_inline():
 def test_close_cancels_and_refuses(eng):
     gate = threading.Event()
     eng.n_workers = 1
-    assert eng.submit(Job("write_through", lambda j: gate.wait(0.2)))
+    started = threading.Event()
+    assert eng.submit(Job("write_through", lambda j: started.set() or gate.wait(0.2)))
+    assert started.wait(5)
     q = Job("spill", lambda j: None)
     assert eng.submit(q)
     eng.close()

@@ -1,0 +1,196 @@
+"""Prefetch on arrival through the plugin hooks (Scheduler._prefetch_kvcache AROUND, the per-tick
+poll, PrefillAdder.add_one_req AROUND) on the real SGLang pools and tree (CPU): policies, rank-local
+clocks agreed per tick, aborts, flushes and failures ending as misses, KV checked byte for byte."""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.mem_cache.radix_cache")
+
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+import ffcache_env as E  # noqa: E402
+from flexflow_sglang.backend import plugin  # noqa: E402
+from flexflow_sglang.config import config_from_dict  # noqa: E402
+from flexflow_sglang.connector import FlexFlowConnector, InMemoryTier, KVLayout  # noqa: E402
+
+
+class GatedTier(InMemoryTier):
+    def __init__(self):
+        super().__init__(name="storage", node="nvme0")
+        self.write_through = True
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def get_many_into(self, keys, out_u8):
+        self.gate.wait(10)
+        return super().get_many_into(keys, out_u8)
+
+
+def make(policy="timeout", base=30.0, per_ki=0.0, host_tokens=256, params_kw=None):
+    from flexflow_sglang.backend.cache import FlexFlowRadixCache
+    kv, alloc, req_pool, params = E.make_pools(size=128, params_kw=params_kw)
+    cfg = config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+                            "host_tier": {"capacity_tokens": host_tokens, "pin_memory": "never"},
+                            "transfer": {"prefetch_policy": policy, "prefetch_timeout_base_s": base,
+                                         "prefetch_timeout_per_ki_token_s": per_ki}}, "<test>")
+    tier = GatedTier()
+    conn = FlexFlowConnector(KVLayout.from_pool(kv, 1), cfg, fingerprint={"test": True}, tiers=[tier],
+                             start_agent=False)
+    env = E.Env(FlexFlowRadixCache(params, connector=conn), kv, alloc, req_pool, 128, 1, conn)
+    return env, tier
+
+
+@pytest.fixture
+def envs():
+    made = []
+
+    def _make(**kw):
+        env, tier = make(**kw)
+        made.append((env, tier))
+        return env, tier
+    yield _make
+    for env, tier in made:
+        tier.gate.set()
+        env.close()
+
+
+class Sched:
+    def __init__(self, tree):
+        self.tree_cache = tree
+
+
+class Adder:
+    def __init__(self, tree):
+        self.tree_cache = tree
+
+
+def only_in_tier(env, tier, ids):
+    """Serve `ids` once (written through to the tier), then drop every host and device copy."""
+    E.serve(env, "warm", ids)
+    assert env.connector.drain(5) and tier.contains_prefix(env.connector.page_keys(ids)) == len(ids)
+    env.connector.host.clear()
+    env.tree.evict(EvictParams(num_tokens=10**6))
+
+
+def arrive(env, rid, ids):
+    req = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=1))
+    plugin._flexflow_arrival(lambda s, r: None, Sched(env.tree), req)
+    return req
+
+
+def admitted(env, req):
+    """What the scheduler's loop does per step: tick, then offer the request to the adder."""
+    plugin._flexflow_tick(Sched(env.tree))
+    return plugin._flexflow_admit(lambda a, r: "added", Adder(env.tree), req) == "added"
+
+
+def wait_admitted(env, req, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not admitted(env, req):
+        assert time.monotonic() < end, "request never admitted"
+        time.sleep(0.01)
+
+
+def test_queued_request_loads_from_host_after_prefetch(envs):
+    env, tier = envs(policy="timeout")
+    ids = list(range(40, 80))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()  # a slow link: the request waits in the queue
+    req = arrive(env, "b", ids + [1])
+    for _ in range(3):
+        assert not admitted(env, req)
+    assert plugin._flexflow_admit(lambda a, r: "added", Adder(env.tree), req) == AddReqResult.CONTINUE
+    lookups = env.connector.metrics()["lookup_pages_deep"]
+    tier.gate.set()
+    wait_admitted(env, req)
+    r = E.serve(env, "b", ids + [1], req=req)
+    assert r.loaded == len(ids) and r.kv_ok and r.storage_hit == len(ids)  # reported as storage hits
+    m = env.connector.metrics()
+    assert m["prefetch_pages"] == len(ids) and m["pages_loaded_deep"] == 0  # a host hit, no deep read inline
+    assert m["lookup_pages_deep"] == lookups  # match_prefix never asked the deep tier for this request
+    assert env.tree.metrics()["prefetch_holds"] >= 3 and env.tree._prefetch == {}  # released with the request
+
+
+def test_timeout_policy_admits_after_budget_as_a_miss(envs):
+    env, tier = envs(policy="timeout", base=0.1)
+    ids = list(range(100, 130))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()
+    req = arrive(env, "b", ids + [1])
+    assert not admitted(env, req)
+    t0 = time.monotonic()
+    wait_admitted(env, req)
+    assert time.monotonic() - t0 < 2.0
+    r = E.serve(env, "b", ids + [1], req=req)
+    assert r.host_hit == 0 and r.kv_ok  # nothing landed in time: recomputed
+    assert env.tree.metrics()["prefetch_timeouts"] == 1
+    tier.gate.set()
+    assert env.connector.drain(5)
+    assert env.connector.lookup(env.connector.page_keys(ids), deep=False) == len(ids)  # it still landed
+
+
+def test_best_effort_never_holds_and_wait_complete_waits(envs):
+    env, tier = envs(policy="best_effort")
+    ids = list(range(200, 220))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()
+    req = arrive(env, "b", ids + [1])
+    assert admitted(env, req)
+    tier.gate.set()
+    env.connector.drain(5)
+
+    env2, tier2 = envs(policy="wait_complete", base=0.0)
+    only_in_tier(env2, tier2, ids)
+    tier2.gate.clear()
+    req2 = arrive(env2, "c", ids + [1])
+    time.sleep(0.1)
+    assert not admitted(env2, req2)  # a zero budget does not matter to wait_complete
+    tier2.gate.set()
+    wait_admitted(env2, req2)
+    assert E.serve(env2, "c", ids + [1], req=req2).loaded == len(ids)
+
+
+def test_abort_flush_and_failure_end_as_misses(envs):
+    env, tier = envs()
+    ids = list(range(300, 340))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()
+    a = arrive(env, "a", ids + [1])
+    env.tree.release_aborted_request(a.cache_request_handle)  # abort while queued
+    assert env.tree._prefetch == {} and admitted(env, a)
+    b = arrive(env, "b", ids + [2])
+    env.tree.reset()  # flush_cache
+    assert env.tree._prefetch == {} and admitted(env, b)
+    tier.gate.set()
+    assert env.connector.drain(5)
+    assert env.idle_ok()
+
+    def broken(keys, out):
+        raise OSError("tier died")
+    env.connector.host.clear()
+    tier.get_many_into = broken
+    c = arrive(env, "c", ids + [3])
+    wait_admitted(env, c)
+    r = E.serve(env, "c", ids + [3], req=c)
+    assert r.host_hit == 0 and r.kv_ok and env.connector.metrics()["prefetch_failures"] == 0  # no pages: a miss
+
+
+def test_no_prefetch_without_deep_pages_or_with_policy_off(envs):
+    env, tier = envs(policy="off")
+    req = arrive(env, "a", list(range(10)))
+    assert env.tree._prefetch == {} and admitted(env, req)
+    env2, _ = envs()
+    req2 = arrive(env2, "a", list(range(10)))  # nothing anywhere: ready once the worker's lookup missed
+    wait_admitted(env2, req2)
+    m = env2.connector.metrics()
+    assert m["prefetches"] == 1 and m["prefetch_pages"] == 0 and m["transfer"]["held_bytes"] == 0

@@ -59,6 +59,7 @@ _GIB = 1 << 30
 MIN_PAGE_NBYTES = 512
 MAX_PAGE_NBYTES = 256 << 20
 MAX_CAPACITY_GB = 4096.0
+_KEYED = frozenset((MsgType.LOOKUP, MsgType.PUT, MsgType.DISCARD))
 
 
 @dataclass
@@ -90,6 +91,8 @@ class _RelayRefused(Exception):
 
 
 class TierServer:
+    WORKERS = 4  # frames handled at once (each may decode 32768 keys): bounds memory beyond the read buffers
+
     def __init__(self, listen: str = "127.0.0.1:0", capacity_bytes: int = _GIB,
                  page_nbytes: Optional[int] = None, storage_path: Optional[str] = None,
                  storage_capacity_gb: float = 10.0, lease_ttl_s: float = 30.0,
@@ -138,6 +141,7 @@ class TierServer:
         self.index: "OrderedDict[bytes, int]" = OrderedDict()
         self.leases: Dict[int, _Lease] = {}
         self._stop = threading.Event()
+        self._work = threading.BoundedSemaphore(self.WORKERS)
         self._conns: Dict[int, _Conn] = {}
         self._threads: List[threading.Thread] = []
         self.c = dict(connections=0, lookups=0, lookup_pages=0, puts=0, pages_stored=0, pages_have=0,
@@ -341,7 +345,7 @@ class TierServer:
                 if s is None:
                     break
                 slots.append(s)
-            if len(slots) < len(keys):
+            if len(slots) < len(keys) and self.storage is not None:
                 slots += self._promote(keys[len(slots):], set(keys))
             for k in keys[:len(slots)]:
                 self.index.move_to_end(k)
@@ -720,6 +724,12 @@ class TierServer:
             return (MsgType.PONG, {}, b""), None
         raise WireError(f"unexpected message {t.name}")
 
+    def _warn(self, fmt: str, *args) -> None:
+        """Misbehaving clients must not turn into a log flood: the first 20 warnings, then one in 1000."""
+        self._warned = getattr(self, "_warned", 0) + 1
+        if self._warned <= 20 or self._warned % 1000 == 0:
+            log.warning(fmt + ("" if self._warned <= 20 else f" ({self._warned} such warnings so far)"), *args)
+
     def _send(self, cs: _Conn, mtype: MsgType, body: dict, blob: bytes = b"") -> None:
         # a client that does not read its replies cannot hold this thread past the frame timeout
         write_frame(cs.sock, mtype, body, blob, deadline=time.monotonic() + self.frame_timeout_s,
@@ -740,7 +750,7 @@ class TierServer:
                     self.c["errors"] += 1
                     if "authentica" in str(e) or "secret" in str(e):
                         self.c["auth_failures"] += 1
-                    log.warning("tier server: bad frame from connection %d: %s", cid, e)
+                    self._warn("tier server: bad frame from connection %d: %s", cid, e)
                     try:  # unauthenticated: the peer may not hold the secret, so no tag
                         write_frame(conn, MsgType.ERROR, {"error": str(e)}, deadline=time.monotonic() + 1)
                     except Exception:
@@ -752,15 +762,19 @@ class TierServer:
                     return
                 except TimeoutError:
                     self.c["slow_cut"] += 1
-                    log.warning("tier server: connection %d took over %.1f s for one frame; closed",
-                                cid, self.frame_timeout_s)
+                    self._warn("tier server: connection %d took over %.1f s for one frame; closed",
+                               cid, self.frame_timeout_s)
                     return
                 except (ConnectionError, OSError):
                     return
                 cs.busy = True
                 after = None
                 try:
-                    reply, after = self._handle(f, cs)
+                    if f.type in _KEYED:  # decoded keys and replies of at most WORKERS frames at a time
+                        with self._work:
+                            reply, after = self._handle(f, cs)
+                    else:  # (relays wait on their owner: never behind this semaphore)
+                        reply, after = self._handle(f, cs)
                 except WireError as e:  # the frame was read whole: the stream is still in sync
                     self.c["errors"] += 1
                     reply = (MsgType.ERROR, {"error": str(e)}, b"")
@@ -775,7 +789,7 @@ class TierServer:
                         after()
                 except TimeoutError:
                     self.c["slow_cut"] += 1
-                    log.warning("tier server: connection %d does not read its replies; closed", cid)
+                    self._warn("tier server: connection %d does not read its replies; closed", cid)
                     return
                 finally:
                     cs.busy = False
@@ -794,12 +808,13 @@ class TierServer:
 
     def _make_room(self) -> bool:
         """All connection slots taken (lock held): cut the connection idle the longest (between
-        frames for >= 1 s), so silent sockets cannot lock new clients out. False: all are busy."""
+        frames for >= 1 s; one that never sent HELLO first), so silent sockets cannot lock new
+        clients out. False: all are busy."""
         now = time.monotonic()
         idle = [c for c in self._conns.values() if not c.busy and now - c.last >= 1.0]
         if not idle:
             return False
-        victim = min(idle, key=lambda c: c.last)
+        victim = min(idle, key=lambda c: (c.hello, c.last))  # sockets that never said HELLO go first
         self._conns.pop(victim.cid, None)
         self.c["conns_evicted"] += 1
         try:

@@ -182,6 +182,8 @@ class RemoteTierConfig:
     write_through: bool = True
     secret_file: Optional[str] = None  # shared-secret mode (docs/tiers.md); else $FLEXFLOW_TIER_SECRET[_FILE]
     keyed_page_keys: bool = False  # page keys keyed with the secret: key observers cannot confirm prompts
+    local_node: Optional[str] = None  # this server's topology node for routing (null: its host-memory node)
+    relay_peers: Tuple[str, ...] = ()  # tier servers used only as relays (CrossNodeRelay), never owners
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
     "remote_tier": {"enabled": ("bool", None), "peers": ("hostport_list", None), "listen": ("hostport", None),
                     "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),
                     "write_through": ("bool", None), "secret_file": ("opt_str", None),
-                    "keyed_page_keys": ("bool", None)},
+                    "keyed_page_keys": ("bool", None), "local_node": ("opt_str", None),
+                    "relay_peers": ("hostport_list", None)},
     "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
            "rails": ("str_list", None), "rail_gbps": ("opt_positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,

@@ -126,6 +126,7 @@ class FlexFlowConnector:
         self.host = HostTier(layout.page_words, layout.word_dtype, cap_pages, node=self.host_node,
                              verify_checksums=hc.verify_checksums, pin_memory=pin)
         self.tiers: List[KVTier] = list(tiers)
+        self._route_remote_tiers()
 
         self._fingerprint = dict(fingerprint or {})
         self._fingerprint.setdefault("layout", layout.describe())
@@ -153,6 +154,26 @@ class FlexFlowConnector:
                     cap_pages * layout.page_nbytes / 2**20, ", pinned" if pin else "", self.host_node,
                     self.write_policy, "on" if hc.verify_checksums else "off",
                     ", ".join(_describe_tier(t) for t in self.tiers) or "none", self.device_node, layout.describe())
+
+    def _route_remote_tiers(self) -> None:
+        """Remote tiers follow the selector in serving: every get/put batch is planned per owner
+        (Direct, CrossNodeRelay through a third tier server, Split) by tiers/routing.py, whose
+        tickets come from this connector's transfer engine. The local node is
+        remote_tier.local_node, else the host-memory node; owners whose node (HELLO_OK, the tier
+        server's --node) is not in the topology are reached directly."""
+        local = self.config.remote_tier.local_node or self.host_node
+        for tier in self.tiers:
+            route = getattr(tier, "route_with", None)
+            if route is None or getattr(tier, "_router", None) is not None:
+                continue
+            if local not in self.topology.nodes:
+                logger.warning("flexflow: remote_tier.local_node %r is not a node of topology %s; the remote "
+                               "tier is not routed", local, self.topology.name)
+                continue
+            try:
+                route(self.selector, local, engine=self.engine)
+            except Exception as e:  # noqa: BLE001 - unrouted still serves
+                logger.warning("flexflow: remote tier routing disabled: %s", e)
 
     @staticmethod
     def _capacity_pages(hc, layout: KVLayout) -> int:

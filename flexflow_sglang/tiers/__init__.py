@@ -23,8 +23,15 @@ def storage_from_config(cfg, fingerprint: str, node: str = "nvme0", page_nbytes=
                        read_only=getattr(cfg, "read_only", False), fsync=getattr(cfg, "fsync", False))
 
 
-def remote_from_config(cfg, node=None) -> RemoteTier:
-    """RemoteTier from a config.RemoteTierConfig (peers, timeout_ms, retry_after_s, secret_file)."""
+def remote_from_config(cfg, node=None, selector=None, local_node=None, engine=None) -> RemoteTier:
+    """RemoteTier from a config.RemoteTierConfig (peers, relay_peers, timeout_ms, retry_after_s,
+    secret_file). With `selector` and `local_node` (its topology node; cfg.local_node wins) every
+    batch is routed (Direct / CrossNodeRelay / Split, tiers/routing.py) through `engine`'s tickets."""
     from .trust import load_secret
-    return RemoteTier(list(cfg.peers), timeout_ms=cfg.timeout_ms, retry_after_s=cfg.retry_after_s, node=node,
-                      secret=load_secret(getattr(cfg, "secret_file", None)))
+    t = RemoteTier(list(cfg.peers), timeout_ms=cfg.timeout_ms, retry_after_s=cfg.retry_after_s, node=node,
+                   secret=load_secret(getattr(cfg, "secret_file", None)),
+                   relay_peers=list(getattr(cfg, "relay_peers", ()) or ()))
+    local = getattr(cfg, "local_node", None) or local_node
+    if selector is not None and local in selector.topology.nodes:
+        t.route_with(selector, local, engine=engine)
+    return t

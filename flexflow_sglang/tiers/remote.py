@@ -154,16 +154,26 @@ class RemoteTier:
         self._router = None
         self._secret = secret
         self._pagemac = PageMac(secret) if secret else None
-        if selector is not None and secret:
-            log.warning("remote tier: routing is not available in shared-secret mode; transfers go direct")
-            selector = None
         if selector is not None:
-            if not local_node or local_node not in selector.topology.nodes:
-                raise ValueError(f"RemoteTier: a selector needs local_node, a node of its topology (got {local_node!r})")
-            from .routing import Router
-            self._router = Router(self, selector, local_node, peer_nodes, relay_chunk_bytes)
-            self.c.update(route_direct=0, route_relay=0, route_split=0, route_other=0, relay_fallbacks=0,
-                          relay_unsupported=0, relay_failures=0, relay_pages_read=0, relay_pages_written=0)
+            self.route_with(selector, local_node, peer_nodes, relay_chunk_bytes)
+
+    def route_with(self, selector, local_node: Optional[str], peer_nodes: Optional[Dict[str, str]] = None,
+                   relay_chunk_bytes: Optional[int] = None, engine=None) -> bool:
+        """Route every batch with `selector` (tiers/routing.py) from now on; `engine`: the transfer
+        engine whose tickets select, reserve and report (the connector's, in serving). False (and
+        direct transfers) in shared-secret mode."""
+        if self._secret:
+            log.warning("remote tier: routing is not available in shared-secret mode; transfers go direct")
+            return False
+        if not local_node or local_node not in selector.topology.nodes:
+            raise ValueError(f"RemoteTier: a selector needs local_node, a node of its topology (got {local_node!r})")
+        from .routing import Router
+        with self._lock:
+            self._router = Router(self, selector, local_node, peer_nodes, relay_chunk_bytes, engine=engine)
+            for k in ("route_direct", "route_relay", "route_split", "route_other", "relay_fallbacks",
+                      "relay_unsupported", "relay_failures", "relay_pages_read", "relay_pages_written"):
+                self.c.setdefault(k, 0)
+        return True
 
     @property
     def last_routes(self) -> List[dict]:

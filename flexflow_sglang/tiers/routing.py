@@ -24,9 +24,12 @@ to the selector's NodeAgent: `report_transfer(leg links, bytes, seconds, relays=
 "cold" legs (first contact: connection, NIXL metadata/endpoint, the relay's own first connection to
 the owner), whose time is mostly setup and would read as a congested link. Every transfer's bytes
 go to `report_progress` when it is posted, so the sampled link counters (which see our traffic
-before the leg ends) do not take our own bytes for foreign load. From planning until the call
-returns, every leg is reserved on the NodeAgent (`reserve`, for the decision's estimated time), so
-a concurrent get/put sees those links as partly busy; a failed reservation never fails the call.
+before the leg ends) do not take our own bytes for foreign load. Selecting, reserving, releasing
+and reporting are the transfer engine's (flexflow_sglang/transfer/engine.py): per owner one
+`TransferEngine.open` ticket (select + reserve each subpath for the decision's estimated time; a
+relay that runs direct moves its reservation to the direct links), `leg_done` per leg, `close`
+when the call returns; so a concurrent get/put sees those links as partly busy, and a failed
+reservation never fails the call. This module carries out the legs.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ class Leg:
     nbytes: int = 0           # bytes moved (gets: verified)
     t_end: float = 0.0
     cold: bool = False        # paid first-contact setup (connect, NIXL metadata/endpoint, relay's client)
+    ticket: object = None     # the transfer engine's Ticket of the owner's decision (reservations, reports)
+    sub: int = -1             # the decision's subpath this leg carries out (-1: a fallback leg)
 
 
 @dataclass(eq=False)
@@ -93,12 +98,16 @@ def _shares(n: int, weights: List[int]) -> List[int]:
 
 class Router:
     def __init__(self, tier, selector, local_node: str, peer_nodes: Optional[Dict[str, str]] = None,
-                 relay_chunk_bytes: Optional[int] = None):
+                 relay_chunk_bytes: Optional[int] = None, engine=None):
         self.t = tier
         self.sel = selector
         self.local = local_node
         self.peer_nodes = dict(peer_nodes or {})
         self.agent = getattr(selector, "agent", None)
+        if engine is None:  # select -> reserve -> release -> report live in the transfer engine
+            from ..transfer import TransferEngine
+            engine = TransferEngine(selector, self.agent)
+        self.engine = engine
         cfg = getattr(selector, "config", None)
         self.chunk_bytes = int(relay_chunk_bytes or getattr(cfg, "relay_chunk_bytes", 4 << 20))
         self.last: List[dict] = []
@@ -131,50 +140,30 @@ class Router:
                     return pid
         return None
 
-    def _reserve(self, legs: List[Leg], est: Dict[int, float], P: int, tokens: list) -> None:
-        """Reserve each planned leg on the agent (tokens appended to `tokens`); never raises."""
-        if self.agent is None:
-            return
-        for leg in legs:
-            try:
-                if leg.links and leg.rows:
-                    tokens.append(self.agent.reserve(leg.links, len(leg.rows) * P, est.get(id(leg))))
-            except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a transfer
-                log.debug("reserve: %r", e)
-
-    def _release(self, tokens: list) -> None:
-        if self.agent is None or not tokens:
-            return
-        try:
-            self.agent.release(tokens)
-        except Exception as e:  # noqa: BLE001
-            log.debug("release: %r", e)
-
-    def plan(self, op: str, groups: Dict[int, List[int]], P: int,
-             est: Optional[Dict[int, float]] = None) -> List[Leg]:
-        """The legs of a get/put. `est` (optional) receives id(leg) -> the decision's estimated
-        seconds (for reserve())."""
-        from ..selector.types import TransferRequest
+    def plan(self, op: str, groups: Dict[int, List[int]], P: int, tickets: Optional[list] = None) -> List[Leg]:
+        """The legs of a get/put. Per owner the transfer engine selects and reserves
+        (`TransferEngine.open`); its tickets are appended to `tickets` (the caller closes them)."""
         legs: List[Leg] = []
         now = time.monotonic()
+        tickets = [] if tickets is None else tickets
         for pid, idx in groups.items():
             own = self.node_of(pid)
             if own is None or own == self.local:
                 legs.append(Leg(pid, pid, list(idx), (), 0, "Direct", "none", "owner not in the topology"))
                 continue
             src, dst = (own, self.local) if op == "get" else (self.local, own)
-            try:
-                dec = self.sel.select(TransferRequest(src, dst, len(idx) * P))
-                subs = dec.subpaths
-                chosen = dec.chosen_type.value
-            except Exception as e:
-                log.debug("remote tier: no decision for %s -> %s: %r", src, dst, e)
-                legs.append(Leg(pid, pid, list(idx), self._direct(src, dst), 0, "Direct", "none", "no decision"))
+            tk = self.engine.open(src, dst, len(idx) * P)
+            tickets.append(tk)
+            if tk.decision is None:
+                log.debug("remote tier: no decision for %s -> %s", src, dst)
+                legs.append(Leg(pid, pid, list(idx), self._direct(src, dst), 0, "Direct", "none", "no decision",
+                                ticket=tk))
                 continue
+            subs = tk.subpaths
+            chosen = tk.decision.chosen_type.value
             self.t.c["route_" + {"Direct": "direct", "CrossNodeRelay": "relay", "SplitPath": "split"}.get(chosen, "other")] += 1
-            n_before = len(legs)
             pos = 0
-            for sub, cnt in zip(subs, _shares(len(idx), [s.nbytes for s in subs])):
+            for i, (sub, cnt) in enumerate(zip(subs, _shares(len(idx), [s.nbytes for s in subs]))):
                 if not cnt:
                     continue
                 rows, pos = list(idx[pos:pos + cnt]), pos + cnt
@@ -182,21 +171,16 @@ class Router:
                 if typ == "CrossNodeRelay":
                     r = self._relay_pid(sub.nodes, pid, now)
                     if r is not None:
-                        legs.append(Leg(pid, r, rows, tuple(sub.links), 1, typ, chosen))
+                        legs.append(Leg(pid, r, rows, tuple(sub.links), 1, typ, chosen, ticket=tk, sub=i))
                         continue
                     note = "no usable relay peer"
                     self.t.c["relay_fallbacks"] += 1
                 else:
                     note = "" if typ == "Direct" else f"{typ} run as Direct"
                 links = tuple(sub.links) if typ == "Direct" else self._direct(src, dst)
-                legs.append(Leg(pid, pid, rows, links, 0, typ, chosen, note))
-            if est is not None:
-                try:
-                    secs = float(dec.estimated_time_us) * 1e-6
-                except Exception:  # noqa: BLE001
-                    secs = None
-                for leg in legs[n_before:]:
-                    est[id(leg)] = secs
+                if links != tuple(sub.links):  # runs direct: hold the links it really uses
+                    tk.reroute(i, links, cnt * P)
+                legs.append(Leg(pid, pid, rows, links, 0, typ, chosen, note, ticket=tk, sub=i))
         return legs
 
     # ------------------------------------------------------------------ execution
@@ -222,14 +206,15 @@ class Router:
         return MsgType.PUT, body, blob
 
     def _run(self, op: str, keys: List[bytes], data: np.ndarray, groups: Dict[int, List[int]], P: int) -> int:
-        tokens: list = []
+        tickets: list = []
         try:
-            return self._run_legs(op, keys, data, groups, P, tokens)
+            return self._run_legs(op, keys, data, groups, P, tickets)
         finally:
-            self._release(tokens)
+            for tk in tickets:  # whatever is still reserved (a failure before the report)
+                tk.close("remote:")
 
     def _run_legs(self, op: str, keys: List[bytes], data: np.ndarray, groups: Dict[int, List[int]], P: int,
-                  tokens: list) -> int:
+                  tickets: list) -> int:
         t = self.t
         n = len(keys)
         m0 = time.monotonic()
@@ -239,9 +224,7 @@ class Router:
                    if p.addr not in self.peer_nodes and p.node is None and p.sock is None and p.up(m0)]
         if unknown:
             t._connect(unknown, P, m0 + timeout)
-        est: Dict[int, float] = {}
-        legs = self.plan(op, groups, P, est)
-        self._reserve(legs, est, P, tokens)
+        legs = self.plan(op, groups, P, tickets)
         fresh = {pid for pid, p in enumerate(t._peers) if p.sock is None or p.loaded_gen != t._gen}
         t._connect(sorted({l.via for l in legs}), P, m0 + timeout)
         fb: Dict[int, Leg] = {}  # id(leg) -> its direct fallback leg
@@ -253,7 +236,8 @@ class Router:
                 links = ()
                 if own is not None:
                     links = self._direct(own, self.local) if op == "get" else self._direct(self.local, own)
-                f = fb[id(leg)] = Leg(leg.owner, leg.owner, [], links, 0, leg.planned, leg.decision, why)
+                f = fb[id(leg)] = Leg(leg.owner, leg.owner, [], links, 0, leg.planned, leg.decision, why,
+                                      ticket=leg.ticket)
                 legs.append(f)
                 t.c["relay_fallbacks"] += 1
             return f
@@ -604,13 +588,9 @@ class Router:
         self.last = []
         for leg in legs:
             secs = leg.t_end - t0 if leg.t_end else 0.0
-            if leg.nbytes and secs > 0 and leg.links and self.agent is not None:
-                try:
-                    if not leg.cold:  # (bytes already went to report_progress when posted)
-                        self.agent.report_transfer(leg.links, leg.nbytes, secs, relays=leg.relays,
-                                                   progress_reported=True)
-                except Exception as e:  # feedback must never fail a transfer
-                    log.debug("report_transfer: %r", e)
+            if leg.ticket is not None:  # release the leg, report it (bytes already went to report_progress)
+                leg.ticket.leg_done(leg.sub, leg.nbytes, max(secs, 0.0), links=leg.links, relays=leg.relays,
+                                    progress_reported=True, report=bool(leg.nbytes and secs > 0 and not leg.cold))
             if leg.relays and leg.nbytes and secs > 0:
                 p = t._peers[leg.via]
                 p.bw_gbps = 0.7 * p.bw_gbps + 0.3 * leg.nbytes / secs / 1e9 if p.bw_gbps else leg.nbytes / secs / 1e9

@@ -90,6 +90,22 @@ class Ticket:
         self.stats.seconds += seconds
         self.stats.legs.append((sub.type.value if sub is not None else "unrouted", nbytes, seconds))
 
+    def reroute(self, index: int, links, nbytes: int) -> None:
+        """Subpath `index` runs over other links than planned (a relay that fell back to direct):
+        move its reservation there, for the decision's estimated time."""
+        eng = self.engine
+        tok = self.tokens.pop(index, 0)
+        try:
+            if tok:
+                eng.agent.release([tok])
+            if links and nbytes > 0:
+                est = float(self.decision.estimated_time_us) * 1e-6 if self.decision is not None else None
+                new = eng.agent.reserve(tuple(links), int(nbytes), est)
+                if new:
+                    self.tokens[index] = new
+        except Exception as e:  # noqa: BLE001
+            logger.debug("flexflow transfer: reroute failed: %r", e)
+
     def close(self, record: Optional[str] = None) -> MoveStats:
         """Release whatever is still reserved; record the move under `record` (e.g. "tier:")."""
         if self.closed:

@@ -197,3 +197,19 @@ def test_prefetch_cancel_clear_and_failure_are_misses(conns):
     c2 = conns(mha(ps=1), cfg(), [Broken("broken", "nvme0")])
     h = c2.prefetch(c2.page_keys(list(range(5))))
     assert c2.drain(5) and h.done and h.pages == 0 and c2.lookup(h.keys, deep=False) == 0
+
+
+def test_remote_tier_is_routed_through_the_engine(conns):
+    from flexflow_sglang.tiers import RemoteTier, remote_from_config
+    t = RemoteTier(["127.0.0.1:9"], timeout_ms=200)  # nothing listens: construction does not connect
+    c = conns(mha(ps=1), cfg(), [t])
+    assert t._router is not None and t._router.engine is c.engine and t._router.local == c.host_node
+    rc = config_from_dict({"topology": {"source": "mock", "mock": "single"},
+                           "remote_tier": {"enabled": True, "peers": ["127.0.0.1:9"], "local_node": "cpu0",
+                                           "relay_peers": ["127.0.0.1:10"]}}, "<test>").remote_tier
+    t2 = remote_from_config(rc, selector=c.selector, engine=c.engine)
+    try:
+        assert t2._router is not None and t2._router.local == "cpu0" and len(t2._peers) == 2
+    finally:
+        t2.close()
+    assert remote_from_config(rc)._router is None  # no selector: unrouted, as before

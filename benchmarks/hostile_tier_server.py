@@ -229,11 +229,13 @@ def main():
     P = a.page_kib * 1024
     proc, addr = start_server(a.out, P, 0.25)
     res = {"command": " ".join(["python", "benchmarks/hostile_tier_server.py", *sys.argv[1:]]),
-           "page_nbytes": P, "pages_per_call": 8, "ops": a.ops, "bad_clients": a.bad}
+           "page_nbytes": P, "pages_per_call": 8, "ops": a.ops, "bad_clients": a.bad,
+           "loadavg_at_start": os.getloadavg()[0], "cpus": os.cpu_count()}
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         res["commit"] = rev.stdout.strip()
-        t = RemoteTier([addr], timeout_ms=2000, retry_after_s=1)
+        # retry at once after a miss: one slow call must cost one failed call, not a marked-down window
+        t = RemoteTier([addr], timeout_ms=2000, retry_after_s=0.01)
         keys = [hashlib.blake2b(i.to_bytes(4, "little"), digest_size=32).digest() for i in range(8)]
         pages = np.random.default_rng(0).integers(0, 256, size=(8, P), dtype=np.uint8)
         assert t.put_many(keys, pages) == 8, t.stats()["peers"]

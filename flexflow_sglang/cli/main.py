@@ -142,6 +142,8 @@ def cmd_bench(args) -> int:
         from ..bench.contention import main as bench_main  # type: ignore
     elif args.what == "pd":
         from ..bench.pd_lab import main as bench_main  # type: ignore
+    elif args.what == "stall":
+        from ..bench.stall import main as bench_main  # type: ignore
     else:  # pragma: no cover - argparse restricts choices
         raise FlexFlowError(f"unknown benchmark {args.what!r}")
     return bench_main(args.rest) or 0
@@ -213,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: selector | host-tier | serve | simulate | tiers | contention | pd")
-    b.add_argument("what", choices=["selector", "host-tier", "serve", "simulate", "tiers", "contention", "pd"])
+    b = sub.add_parser("bench", help="benchmarks: selector | host-tier | serve | simulate | tiers | contention | pd | stall")
+    b.add_argument("what", choices=["selector", "host-tier", "serve", "simulate", "tiers", "contention", "pd", "stall"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     b.set_defaults(func=cmd_bench)
 

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m flexflow_sglang.cpu_support.tiny_model DIR [--preset tiny|bench]
-        [--layers N] [--hidden H] [--intermediate I] [--heads A] [--kv-heads K]
+    python -m flexflow_sglang.cpu_support.tiny_model DIR [--preset tiny|bench|kv128k]
+        [--layers N] [--hidden H] [--intermediate I] [--heads A] [--kv-heads K] [--head-dim D]
         [--seed S] [--max-position-embeddings P] [--force]
 
 The output is deterministic for a given set of parameters and seed (same weights, same
@@ -13,7 +13,9 @@ words cost about one token per word; the vocabulary comes out at a few hundred e
 
 Presets: ``tiny`` (default: 2 layers, hidden 64, intermediate 128, 4 heads, 2 KV heads, ~120k
 parameters, ~0.5 MB) for functional tests; ``bench`` (4 layers, hidden 512, intermediate 4096,
-8 heads, 4 KV heads, ~29M parameters) for benchmarks where prefill must cost real time.
+8 heads, 4 KV heads, ~29M parameters) for benchmarks where prefill must cost real time;
+``kv128k`` (16 layers, hidden 256, 8 heads = 8 KV heads of head_dim 128) whose KV is 128 KB per
+token in float32, as large as an 8B model's, for benchmarks of KV transfers.
 
 A rebuild is skipped when DIR already holds a ``config.json`` and a marker file
 (:data:`MARKER_FILE`) written with the same parameters.
@@ -44,15 +46,29 @@ PRESETS = {
     # the cached prefix on every extend, so prefill must be dominated by the MLP for a prefix hit to
     # show what it saves on a GPU backend
     "bench": dict(layers=4, hidden=512, intermediate=4096, heads=8, kv_heads=4),
+    # KV as large per token as an 8B model's (Llama-3-8B: 128 KB in bf16): 16 layers x K,V x 8 KV
+    # heads x head_dim 128 = 128 KB per token in float32 (the CPU server's dtype here), with a small
+    # hidden size so compute stays cheap: transfers, not matmuls, dominate (issue 13's benchmarks)
+    "kv128k": dict(layers=16, hidden=256, intermediate=512, heads=8, kv_heads=8, head_dim=128),
 }
 
 
-def _params(layers, hidden, intermediate, heads, kv_heads, seed, max_position_embeddings) -> dict:
+def kv_bytes_per_token(layers, kv_heads, head_dim=None, hidden=None, heads=None, dtype_bytes=4, **_) -> int:
+    """KV bytes one token occupies (K and V, every layer)."""
+    hd = head_dim or (hidden // heads)
+    return 2 * layers * kv_heads * hd * dtype_bytes
+
+
+def _params(layers, hidden, intermediate, heads, kv_heads, seed, max_position_embeddings, head_dim=None) -> dict:
     p = dict(
         layers=int(layers), hidden=int(hidden), intermediate=int(intermediate), heads=int(heads),
         kv_heads=int(kv_heads), seed=int(seed), max_position_embeddings=int(max_position_embeddings),
     )
-    if p["hidden"] % p["heads"]:
+    if head_dim is not None:  # only when set: markers of models built without it stay valid
+        p["head_dim"] = int(head_dim)
+        if p["head_dim"] <= 0 or p["head_dim"] % 2:
+            raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
+    elif p["hidden"] % p["heads"]:
         raise ValueError(f"hidden ({hidden}) must be a multiple of heads ({heads})")
     if p["heads"] % p["kv_heads"]:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
@@ -95,10 +111,11 @@ def make_tiny_model(
     seed: int = 0,
     max_position_embeddings: int = 8192,
     force: bool = False,
+    head_dim: Optional[int] = None,
 ) -> str:
     """Build (or reuse) the tiny model in ``out_dir``; returns its absolute path."""
     out_dir = os.path.abspath(os.fspath(out_dir))
-    params = _params(layers, hidden, intermediate, heads, kv_heads, seed, max_position_embeddings)
+    params = _params(layers, hidden, intermediate, heads, kv_heads, seed, max_position_embeddings, head_dim)
     if not force and is_built(out_dir, params):
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
@@ -141,6 +158,7 @@ def make_tiny_model(
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,
+        **({"head_dim": params["head_dim"]} if "head_dim" in params else {}),
     )
     # Seed a private generator state for the random init, restoring the caller's RNG afterwards.
     with torch.random.fork_rng(devices=[]):
@@ -174,19 +192,22 @@ def main(argv=None) -> int:
     )
     ap.add_argument("out_dir")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                    help="tiny (default) or bench (4 layers, hidden 512, MLP 4096: prefill costs real time)")
+                    help="tiny (default), bench (4 layers, hidden 512, MLP 4096: prefill costs real time) or "
+                         "kv128k (16 layers, 8 KV heads x head_dim 128: 128 KB of float32 KV per token, an 8B "
+                         "model's KV volume)")
     ap.add_argument("--layers", type=int)
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--intermediate", type=int)
     ap.add_argument("--heads", type=int)
     ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-position-embeddings", type=int, default=8192)
     ap.add_argument("--force", action="store_true", help="rebuild even if DIR is up to date")
     args = ap.parse_args(argv)
 
     kw = dict(PRESETS[args.preset])
-    for k in ("layers", "hidden", "intermediate", "heads", "kv_heads"):
+    for k in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim"):
         if getattr(args, k) is not None:
             kw[k] = getattr(args, k)
     params = _params(seed=args.seed, max_position_embeddings=args.max_position_embeddings, **kw)

@@ -1,4 +1,4 @@
-"""What shared-secret mode costs, side by side in one run: page MAC (keyed blake2b-128) against the
+"""What shared-secret mode costs, side by side in one run: page MAC (HMAC-SHA256/128) against the
 CRC32 every page already gets, and RemoteTier put/get against two tier servers on loopback, one
 plain and one with --secret-file (HMAC per frame + MAC per page).
 
@@ -72,7 +72,7 @@ def main():
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                     text=True).stdout.strip(),
            "page_nbytes": P, "pages": n, "crc32_gbps": nb / crc_s / 1e9, "page_mac_gbps": nb / mac_s / 1e9}
-    print(f"one core: CRC32 {res['crc32_gbps']:.2f} GB/s, page MAC (keyed blake2b-128) {res['page_mac_gbps']:.2f} GB/s")
+    print(f"one core: CRC32 {res['crc32_gbps']:.2f} GB/s, page MAC (HMAC-SHA256/128) {res['page_mac_gbps']:.2f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:
         sf = os.path.join(tmp, "secret")
         with open(sf, "wb") as f:

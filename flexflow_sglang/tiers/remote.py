@@ -578,10 +578,14 @@ class RemoteTier:
                 for pid, (rows, _) in plans.items():
                     if states.get(pid) != "DONE":
                         continue
-                    got = page_checksums(stage, len(rows), rows)
+                    if self._pagemac is not None:  # the MAC covers what the CRC would catch
+                        mac = self._pagemac.macs([keys[r] for r in rows], stage, rows)
+                        good_rows = [mac[j] == macs[pid][j] for j in range(len(rows))]
+                    else:
+                        got = page_checksums(stage, len(rows), rows)
+                        good_rows = [got[j] == (sums[pid][j] & 0xFFFFFFFF) for j in range(len(rows))]
                     for j, r in enumerate(rows):
-                        if got[j] == (sums[pid][j] & 0xFFFFFFFF) and (
-                                self._pagemac is None or self._pagemac.mac(keys[r], stage[r]) == macs[pid][j]):
+                        if good_rows[j]:
                             okrow[r] = True
                         else:
                             self.c["corrupt_dropped"] += 1

@@ -8,7 +8,6 @@ import json
 import os
 import random
 import socket
-import struct
 import threading
 import time
 
@@ -274,3 +273,19 @@ def test_memory_per_connection_is_bounded(tier_server):
     for c in socks:
         c.close()
     normal_client_works(srv.addr, b"after")
+
+
+def test_client_reconnects_after_the_server_cut_its_idle_connection(module_server):
+    """The idle deadline must not turn into a miss for a normal client: it notices the closed
+    connection before its next call and reconnects in that call (peer never marked down)."""
+    t = RemoteTier([module_server.addr], timeout_ms=3000, retry_after_s=30)
+    try:
+        ks, pg = keys_for(3, b"stale"), pages_for(3, P, seed=3)
+        assert t.put_many(ks, pg) == 3
+        time.sleep(1.6)  # past the module server's 1 s idle deadline
+        out = np.zeros_like(pg)
+        assert t.get_many_into(ks, out) == 3 and np.array_equal(out, pg)
+        peer = t.stats()["peers"][module_server.addr]
+        assert peer["down_events"] == 0 and peer["failures"] == 0, peer
+    finally:
+        t.close()

@@ -6,9 +6,7 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 import threading
-import time
 
 import numpy as np
 import pytest

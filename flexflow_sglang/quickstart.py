@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
         print(f"flexflow quickstart: error: {e}", file=sys.stderr)
         return 2
     os.makedirs(args.workdir, mode=0o700, exist_ok=True)
+    # SIGTERM unwinds the with-block below, so the server this command started is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.time()
     model_dir = _model(args)
     if model_dir is None:

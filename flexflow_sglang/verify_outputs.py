@@ -18,7 +18,7 @@ Test phase, per prompt: R1, R2d (the same prompt again, no flush: a device hit o
 ``POST /flush_cache`` (which empties the device tree), R2 (the same prompt: served from the host tier).
 Every comparison is like with like, because in bf16 SGLang itself does not reproduce a full prefill
 from a cache hit (a different extend shape rounds differently, see docs/correctness.md):
-- R1 must equal the baseline's R1 (same request history, same cached lengths);
+- R1 must equal the baseline's R1 when their cached lengths are equal (same request history);
 - R2 (host hit) must equal R2d (device hit, same server, same cached length): a wrong host load shows
   here and nowhere else;
 - R2 must equal the baseline's R2 (the reference server's device hit) when their cached lengths are
@@ -213,10 +213,14 @@ def evaluate_prompt(
             v.mismatches += 1
             v.problems.append(f"{name} request failed: {res}")
     if isinstance(r1, dict):
-        diffs = compare_outputs(expected, r1)
-        if diffs:
-            v.mismatches += 1
-            v.problems.append("R1 vs baseline R1: " + ", ".join(diffs))
+        if expected.get("cached_tokens") is not None and _cached(expected) != _cached(r1):
+            # e.g. concurrent R1s computed a shared prefix side by side: not the same computation
+            v.notes.append(f"baseline R1 cached {_cached(expected)} != R1 cached {_cached(r1)}: R1 not compared")
+        else:
+            diffs = compare_outputs(expected, r1)
+            if diffs:
+                v.mismatches += 1
+                v.problems.append("R1 vs baseline R1: " + ", ".join(diffs))
     if isinstance(r2, dict):
         if isinstance(r2d, dict):
             if _cached(r2d) == _cached(r2):

@@ -232,7 +232,9 @@ def plot(results: List[dict], path: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="flexflow bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench-serve")
-    ap.add_argument("--model", default=None, help="model dir (default: the tiny 'bench' preset, built in --out)")
+    ap.add_argument("--model", default=None,
+                    help="model dir, or 'smollm2' for the real SmolLM2-135M-Instruct (flexflow make-model smollm2); "
+                         "default: the tiny random 'bench' preset, built in --out")
     ap.add_argument("--backends", default="baseline,flexflow,hicache")
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG (default configs/cpu-dev.yaml)")
     ap.add_argument("--families", type=int, default=3)
@@ -256,6 +258,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         model = os.path.join(args.out, "bench-model")
         from ..cpu_support.tiny_model import PRESETS
         make_tiny_model(model, **PRESETS["bench"])
+        model_name = "tiny random Llama, preset 'bench' (4 layers, hidden 512)"
+    elif model == "smollm2":
+        from ..cpu_support.real_model import make_real_model
+        model = make_real_model("smollm2")
+        model_name = "SmolLM2-135M-Instruct (bf16, 30 layers, ~23 KB KV per token)"
+    else:
+        model_name = os.path.basename(os.path.abspath(model))
     reqs = make_workload(args.families, args.prefix_words, args.turns, args.turn_words)
     results = []
     skip = set()
@@ -274,7 +283,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for pas in ("cold", "warm"):
             if r.get("ran"):
                 r[pas].pop("outputs", None)
-    out = {"command": "flexflow bench serve " + " ".join(argv or sys.argv[1:]), "workload": {
+    out = {"command": "flexflow bench serve " + " ".join(argv or sys.argv[1:]), "model": model_name,
+           "model_path": model, "workload": {
         "families": args.families, "turns": args.turns, "prefix_words": args.prefix_words,
         "turn_words": args.turn_words, "max_new_tokens": args.max_new_tokens, "concurrency": args.concurrency},
         "results": results, "summary": summary}
@@ -293,6 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{r['backend']:<9} r{r['round'] + 1} miss path: median {r['miss']['latency_median_s'] * 1000:.1f} ms "
               f"over {r['miss']['requests']} unique prompts")
     print(json.dumps(summary, indent=2))
+    print(f"model: {model_name}")
     print(f"wrote {os.path.join(args.out, 'bench_serve.json')} and bench_serve.png")
     return 0
 

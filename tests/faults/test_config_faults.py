@@ -104,7 +104,7 @@ BAD_FLAGS = [
     (["--capacity-gb", "1e12"], "(0, 4096]"), (["--capacity-gb", "inf"], "finite"),
     (["--listen", "garbage"], "--listen"), (["--listen", "127.0.0.1:99999"], "0..65535"),
     (["--listen", "127.0.0.1:"], "--listen"), (["--listen", ":80"], "--listen"),
-    (["--page-nbytes", "-5"], "[512, 268435456]"), (["--page-nbytes", "1"], "--page-nbytes"),
+    (["--page-nbytes", "-5"], "[64, 268435456]"), (["--page-nbytes", "1"], "--page-nbytes"),
     (["--page-nbytes", "4096x"], "--page-nbytes"), (["--relay-peers", "n1"], "NODE=host:port"),
     (["--relay-peers", "n1=nohost"], "'n1=nohost'"), (["--relay-peers", "=1.2.3.4:5"], "--relay-peers"),
     (["--lease-ttl-s", "0"], "--lease-ttl-s"), (["--idle-timeout-s", "-1"], "--idle-timeout-s"),

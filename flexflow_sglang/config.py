@@ -158,6 +158,11 @@ class HostTierConfig:
     write_policy: str = "write_through"  # write_through | on_evict
     verify_checksums: bool = True
     pin_memory: str = "auto"  # auto | always | never
+    # one shared-memory tier per node for every process serving the same model shard (issue 17)
+    shared: bool = False
+    # a page the host tier holds replaces the request's own recomputation of it when SGLang inserts
+    # it into the tree (backend/host_adopt.py): host hits then equal device hits in bf16
+    canonical_on_insert: bool = True
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                 "elastic_share": ("unit", None), "elastic_probe_s": ("positive", None)},
     "host_tier": {"enabled": ("bool", None), "capacity_gb": ("nonneg", None), "capacity_tokens": ("opt_int_pos", None),
                   "write_policy": ("choice", ("write_through", "on_evict")), "verify_checksums": ("bool", None),
-                  "pin_memory": ("choice", ("auto", "always", "never"))},
+                  "pin_memory": ("choice", ("auto", "always", "never")), "shared": ("bool", None),
+                  "canonical_on_insert": ("bool", None)},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
                      "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",)),
                      "write_through": ("bool", None), "read_only": ("bool", None), "fsync": ("bool", None)},

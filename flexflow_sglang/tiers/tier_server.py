@@ -180,11 +180,17 @@ class TierServer(RelayMixin):
         self.doomed: Set[int] = set()
         self.reserved: Dict[bytes, int] = {}
         if self.storage_path:
-            from .storage import StorageTier
-            self.storage = StorageTier(self.storage_path, capacity_gb=self.storage_capacity_gb,
-                                       fingerprint="flexflow-tier-server", node=self.node,
-                                       page_nbytes=P + MAC_LEN if self.pagemac else P,
-                                       read_only=self.storage_read_only, fsync=self.storage_fsync)
+            from .storage import StorageTier, StorageTierError
+            try:
+                self.storage = StorageTier(self.storage_path, capacity_gb=self.storage_capacity_gb,
+                                           fingerprint="flexflow-tier-server", node=self.node,
+                                           page_nbytes=P + MAC_LEN if self.pagemac else P,
+                                           read_only=self.storage_read_only, fsync=self.storage_fsync)
+            except (StorageTierError, OSError) as e:
+                if self.page_nbytes is None and not self._conns:  # at start: main() prints one line
+                    raise
+                log.warning("tier server: storage tier unavailable: %s", e)
+                raise WireError(f"tier server storage: {e}") from None
         self.page_nbytes = P
         self.nslots = n
         log.info("tier server %s: %d slots of %d bytes", self.address, n, P)

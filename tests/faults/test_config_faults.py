@@ -12,7 +12,7 @@ import pytest
 from flexflow_sglang import ConfigError, load_config
 from flexflow_sglang.cli.main import main as flexflow
 
-from tier_helpers import REPO, tier_env
+from tier_helpers import REPO, requires_nixl, tier_env
 
 BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
     f"{c}: &{c} [{','.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi"))
@@ -128,6 +128,7 @@ def test_bad_tier_server_flag_is_one_line(capsys, monkeypatch, argv, needle):
 
 
 @pytest.mark.nixl
+@requires_nixl
 def test_port_in_use_is_one_line(tmp_path):
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

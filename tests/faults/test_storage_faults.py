@@ -15,6 +15,7 @@ from flexflow_sglang.tiers import storage as storage_mod
 from flexflow_sglang.tiers.storage import StorageTier, StorageTierError
 
 from fault_helpers import keys_for, pages_for
+from tier_helpers import requires_nixl
 
 pytestmark = pytest.mark.timeout(60)
 P = 4096 + 64
@@ -106,6 +107,8 @@ def test_fifo_swapped_in_for_a_stored_page_does_not_block(tmp_path):
     t.close()
 
 
+@pytest.mark.nixl
+@requires_nixl
 def test_fifo_at_start_of_tier_server(tmp_path, tier_server):
     """`flexflow tier-server --storage-path` with a FIFO and a directory named like pages starts."""
     d = tmp_path / "srvkv"

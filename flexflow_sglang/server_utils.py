@@ -83,8 +83,9 @@ class SGLangServer:
             a value of ``None`` removes the variable.
         radix_cache_backend: ``--radix-cache-backend`` name; ``None`` = plain SGLang server.
         flexflow_config: path exported as ``FLEXFLOW_CONFIG`` for the flexflow backend.
-        tp_size: ``--tp-size``; on CPU with more than one rank ``SGLANG_CPU_OMP_THREADS_BIND`` is
-            set to one core per rank (``"0|1"`` for 2) unless given in ``env``.
+        tp_size, pp_size, dp_size: ``--tp-size``, ``--pp-size``, ``--dp-size``; on CPU with more
+            than one rank (tp * pp * dp) ``SGLANG_CPU_OMP_THREADS_BIND`` is set to one core per rank
+            (``"0|1"`` for 2) unless given in ``env``.
         page_size, chunked_prefill_size: passed through when not ``None``.
         max_total_tokens: KV pool size in tokens (default 4096; always given, see the CPU notes).
         timeout: seconds to wait for readiness.
@@ -105,6 +106,8 @@ class SGLangServer:
         radix_cache_backend: Optional[str] = None,
         flexflow_config: Optional[str] = None,
         tp_size: int = 1,
+        pp_size: int = 1,
+        dp_size: int = 1,
         page_size: Optional[int] = None,
         chunked_prefill_size: Optional[int] = None,
         max_total_tokens: Optional[int] = 4096,
@@ -125,6 +128,8 @@ class SGLangServer:
         self.radix_cache_backend = radix_cache_backend
         self.flexflow_config = os.path.abspath(os.fspath(flexflow_config)) if flexflow_config else None
         self.tp_size = int(tp_size)
+        self.pp_size = int(pp_size)
+        self.dp_size = int(dp_size)
         self.page_size = page_size
         self.chunked_prefill_size = chunked_prefill_size
         self.max_total_tokens = max_total_tokens
@@ -171,6 +176,10 @@ class SGLangServer:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.tp_size != 1:
             cmd += ["--tp-size", str(self.tp_size)]
+        if self.pp_size != 1:
+            cmd += ["--pp-size", str(self.pp_size)]
+        if self.dp_size != 1:
+            cmd += ["--dp-size", str(self.dp_size)]
         if self.page_size is not None:
             cmd += ["--page-size", str(self.page_size)]
         if self.chunked_prefill_size is not None:
@@ -184,9 +193,10 @@ class SGLangServer:
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.flexflow_config:
             env["FLEXFLOW_CONFIG"] = self.flexflow_config
-        if self.cpu and self.tp_size > 1:
+        ranks = self.tp_size * self.pp_size * self.dp_size
+        if self.cpu and ranks > 1:
             ncpu = os.cpu_count() or 1
-            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % ncpu) for r in range(self.tp_size))
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % ncpu) for r in range(ranks))
         for k, v in self.env_overrides.items():
             if v is None:
                 env.pop(k, None)

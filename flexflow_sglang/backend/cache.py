@@ -109,6 +109,11 @@ class FlexFlowRadixCache(RadixCache):
             raise ValueError(f"connector page size {connector.page_size} != tree page size {self.page_size}")
         self.connector = connector
         self.write_policy = connector.write_policy
+        # PP (issue 17): stage 0 pins the later stages' pages before deciding a host hit (pp_stages)
+        self._pp = None
+        if getattr(params, "pp_size", 1) > 1 and getattr(params, "pp_cache_group", None) is not None:
+            from .pp_stages import PipelinePeers
+            self._pp = PipelinePeers(self, params)
         self._prom = None
         if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics: export on /metrics
             try:
@@ -144,6 +149,8 @@ class FlexFlowRadixCache(RadixCache):
         if self._released:
             return
         self._released = True
+        if self._pp is not None:
+            self._pp.close()
         if self.connector is not None:
             self.connector.close()
         self.rank_sync.close()
@@ -190,6 +197,8 @@ class FlexFlowRadixCache(RadixCache):
         if self.rank_sync.active:
             self._m["agreements"] += 1
             hit_pages = self.rank_sync.agree_min([hit_pages])[0]
+            if hit_pages > len(keys):  # a later PP stage takes stage 0's count (its pages are pinned then)
+                keys = self._suffix_keys(handle, prev, raw, first, first + hit_pages, bigram)
         if hit_pages <= 0:
             return res
         hit = hit_pages * ps
@@ -215,20 +224,30 @@ class FlexFlowRadixCache(RadixCache):
         alloc = self.token_to_kv_pool_allocator
         lock = self.lock(anchor)  # eviction below must not take the anchor or its ancestors
         slots = None
+        pp = self._pp
+        # PP stage 0: the later stages' pages, checked and pinned before anything is allocated
+        pinned = pp.pin_for_load(hit) if pp is not None and pp.is_first else None
         try:
-            short = n - alloc.available_size()
-            if short > 0:
-                self.evict(EvictParams(num_tokens=short))
-            slots = alloc.alloc(n)
-            ok = slots is not None and slots.numel() == n
+            ok = pp is None or not pp.is_first or pinned is not None
             if ok:
-                ok = self.connector.load(hit.keys, slots)
+                short = n - alloc.available_size()
+                if short > 0:
+                    self.evict(EvictParams(num_tokens=short))
+                slots = alloc.alloc(n)
+                ok = slots is not None and slots.numel() == n
+            own_ok = ok = ok and self.connector.load(hit.keys, slots)
             # pages from a deeper tier: read inline now, or brought into host memory by the prefetch
             deep_pages = self.connector.last_load_deep_pages + self._prefetched_pages(req, n) if ok else 0
             if self.rank_sync.active:
                 self._m["agreements"] += 1
                 ok = self.rank_sync.agree_all(ok)
+            if pp is not None and not pp.is_first and ok:
+                self._release_stage_pins(hit.keys)  # stage 0 pinned them for this load
+                if not own_ok:  # pinned and checksummed by stage 0: only a copy error gets here
+                    raise RuntimeError(f"PP stage {pp.rank}: loading {n} host tokens stage 0 pinned failed")
             if not ok:
+                if pinned:
+                    pp.release(pinned)
                 if slots is not None:
                     alloc.free(slots)
                     slots = None
@@ -253,6 +272,13 @@ class FlexFlowRadixCache(RadixCache):
             raise
         finally:
             self.unlock(lock)
+
+    def _release_stage_pins(self, keys) -> None:
+        host = self.connector.host
+        pages = [p for p in (host.page_of(k) for k in keys) if p is not None]
+        unpin = getattr(host, "unpin_foreign", None)
+        if unpin is not None:
+            unpin(pages)
 
     def _attached(self, node: TreeNode) -> bool:
         while node is not self.root_node:

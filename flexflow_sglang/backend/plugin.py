@@ -11,8 +11,11 @@ The factory, per the backend contract (docs: SGLang 0.5.23 radix-cache contract)
   --enable-streaming-session);
 - delegates, with a log line saying why, to SGLang's default chain where a full-attention
   RadixCache with a host tier does not apply (radix cache disabled, SWA / SSM / DSA models, PD
-  decode, pipeline parallelism, KV pools the connector cannot move, host tier switched off);
-- otherwise builds FlexFlowRadixCache with a connector configured from $FLEXFLOW_CONFIG.
+  decode, KV pools the connector cannot move, host tier switched off);
+- otherwise builds FlexFlowRadixCache with a connector configured from $FLEXFLOW_CONFIG. That
+  includes pipeline parallelism: each stage's cache stores and loads its own layers (the key
+  fingerprint names the stage and its first layer) in its own shared-memory host tier, and stage 0
+  checks and pins every later stage's pages before it decides a host hit (pp_stages).
 """
 
 from __future__ import annotations
@@ -147,10 +150,6 @@ def _delegation(ctx) -> str:
     except Exception:  # noqa: BLE001 - no disaggregation section published (tests)
         pass
     params = ctx.params
-    if getattr(params, "pp_size", 1) > 1:
-        # stage 0's decisions are forwarded down the pipeline, but a later stage cannot veto them:
-        # its host tier (other layers, other page size) may lack a page stage 0 has
-        return "pipeline parallelism (a later PP stage cannot veto stage 0's host-load decision)"
     if hasattr(params.req_to_token_pool, "req_to_c128_sidecar"):
         return "request pool with C128 sidecar pages"
     ok, why = supported_pool(params.token_to_kv_pool_allocator.get_kvcache())
@@ -179,6 +178,11 @@ def build_tree_cache(ctx):
                     cfg.path or "the default config")
         return default_radix_cache_factory(ctx)
     logging.getLogger("flexflow_sglang").setLevel(cfg.log_level)
+    if getattr(ctx.params, "pp_size", 1) > 1 and not cfg.host_tier.shared:
+        # stage 0 checks and pins the later stages' pages in their shared-memory tiers (pp_stages)
+        from dataclasses import replace
+        cfg = replace(cfg, host_tier=replace(cfg.host_tier, shared=True))
+        logger.info("flexflow: pipeline parallelism: host_tier.shared enabled (one segment per stage)")
 
     from .cache import FlexFlowRadixCache
 

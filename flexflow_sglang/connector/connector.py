@@ -123,8 +123,6 @@ class FlexFlowConnector:
         cap_pages = self._capacity_pages(hc, layout)
         pin = hc.pin_memory == "always" or (hc.pin_memory == "auto" and torch.cuda.is_available()
                                            and layout.device.type == "cuda")
-        self.host = HostTier(layout.page_words, layout.word_dtype, cap_pages, node=self.host_node,
-                             verify_checksums=hc.verify_checksums, pin_memory=pin)
         self.tiers: List[KVTier] = list(tiers)
         self._route_remote_tiers()
 
@@ -138,6 +136,7 @@ class FlexFlowConnector:
         kkey = page_key_secret(load_secret(rt.secret_file)) if rt.keyed_page_keys else b""
         self._seed = hashlib.blake2b(repr(sorted(self._fingerprint.items())).encode(), digest_size=KEY_BYTES,
                                      key=kkey).digest()
+        self.host = self._build_host(hc, cap_pages, pin)
         self._queue: Deque[StoreHandle] = deque()
         self.last_load_deep_pages = 0
         self._m: Dict[str, int] = {k: 0 for k in (
@@ -154,6 +153,20 @@ class FlexFlowConnector:
                     cap_pages * layout.page_nbytes / 2**20, ", pinned" if pin else "", self.host_node,
                     self.write_policy, "on" if hc.verify_checksums else "off",
                     ", ".join(_describe_tier(t) for t in self.tiers) or "none", self.device_node, layout.describe())
+
+    def _build_host(self, hc, cap_pages: int, pin: bool):
+        """host_tier.shared (issue 17): one shared-memory tier per node for every process with this
+        key seed (model, layout, shard, stage); a tier that cannot attach (permissions, geometry)
+        falls back to a private one with a warning."""
+        args = (self.layout.page_words, self.layout.word_dtype, cap_pages)
+        kw = dict(node=self.host_node, verify_checksums=hc.verify_checksums, pin_memory=pin)
+        if getattr(hc, "shared", False):
+            from .shared_host_tier import SharedHostTier
+            try:
+                return SharedHostTier(*args, fingerprint=self._seed.hex(), **kw)
+            except (OSError, ValueError, RuntimeError) as e:
+                logger.warning("flexflow: shared host tier unavailable (%s); using a private host tier", e)
+        return HostTier(*args, **kw)
 
     def _route_remote_tiers(self) -> None:
         """Remote tiers follow the selector in serving: every get/put batch is planned per owner
@@ -306,6 +319,9 @@ class FlexFlowConnector:
             if host_pages:
                 self.host.touch([keys[i] for i in in_host])
                 self.executor.host_to_device(self.host.words, host_pages, _pick(dev_pages, in_host, n))
+                changed = self.host.first_changed(host_pages)  # shared tier: rewritten during the copy
+                if changed >= 0:
+                    return self._load_failed(f"host page {host_pages[changed]} was replaced during the copy")
             if deep_idx:
                 self.executor.host_to_device(staging, list(range(len(deep_idx))), _pick(dev_pages, deep_idx, n))
                 self._promote([keys[i] for i in deep_idx], staging)

@@ -169,6 +169,11 @@ class HostTier:
                 self._free.extend(self._unpinned([old]))
             lru[k] = p
 
+    def first_changed(self, pages: Sequence[int]) -> int:
+        """-1: nothing else writes this process's tier, so a page cannot change between its lookup
+        and the copy out (SharedHostTier checks generations here)."""
+        return -1
+
     # ----------------------------------------------------------------- checksums
     def page_sums(self, pages: Sequence[int]) -> torch.Tensor:
         """Wrapping int64 word sum per page, over contiguous runs (no gather copy)."""

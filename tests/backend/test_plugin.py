@@ -117,12 +117,21 @@ def test_factory_delegates_for_models(flexflow_config, default_factory, caplog, 
     assert len(default_factory) == 1 and why in caplog.text
 
 
-def test_factory_delegates_for_pipeline_parallelism(flexflow_config, default_factory, caplog):
+def test_factory_serves_pipeline_parallelism(flexflow_config, default_factory):
+    """PP > 1 is served (issue 17): each stage builds FlexFlowRadixCache over its own layers, and
+    its connector's key fingerprint names the stage, so stages never share keys."""
     from flexflow_sglang.backend import plugin
-    _, _, _, params = E.make_pools(params_kw=dict(pp_size=2, pp_rank=0))
-    with caplog.at_level("INFO", logger="flexflow_sglang.backend.plugin"):
-        assert plugin.build_tree_cache(ctx_for(params)) == "default"
-    assert "pipeline" in caplog.text
+    from flexflow_sglang.backend.cache import FlexFlowRadixCache
+    seeds = []
+    for rank in (0, 1):
+        _, _, _, params = E.make_pools(params_kw=dict(pp_size=2, pp_rank=rank))
+        cache = plugin.build_tree_cache(ctx_for(params))
+        try:
+            assert isinstance(cache, FlexFlowRadixCache) and not default_factory
+            seeds.append(cache.connector.namespace_seed())
+        finally:
+            cache.release_host_resources()
+    assert seeds[0] != seeds[1]
 
 
 def test_factory_delegates_for_unsupported_pool(flexflow_config, default_factory, caplog):

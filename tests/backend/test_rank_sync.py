@@ -1,6 +1,9 @@
 """Rank agreement with real torch.distributed gloo groups: two processes, each with the real cache on
-real pools, as two attention-TP ranks of one scheduler group. One rank is forced to miss or to fail a
-load; both must end with the same result (and correct KV, and balanced invariants)."""
+real pools, first as two attention-TP ranks of one scheduler group, then as two pipeline stages
+(PP=2, each with its own shared-memory host tier). One rank is forced to miss or to fail a load;
+both must end with the same result (and correct KV, balanced invariants, no pins left). For PP,
+stage 1's missing or corrupt page makes stage 0 turn the hit into a miss before either allocates
+(stage 0 checks and pins stage 1's pages in its tier: backend/pp_stages.py)."""
 
 from __future__ import annotations
 
@@ -25,10 +28,44 @@ def _worker(rank: int, tmp: str) -> None:
 
     from flexflow_sglang.backend.rank_sync import RankSync
 
+    os.environ["FLEXFLOW_SHM_DIR"] = tmp  # the stages' shared tiers live in the test's directory
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD)
     group = dist.new_group(list(range(WORLD)), backend="gloo")
     out = {}
-    env = E.make_env(page_size=2, size=128, params_kw=dict(attn_tp_cache_group=group))
+    try:
+        out["tp"] = _scenarios(E, EvictParams, rank, E.make_env(page_size=2, size=128,
+                                                                 params_kw=dict(attn_tp_cache_group=group)))
+        out["pp"] = _scenarios(E, EvictParams, rank, _stage_env(E, rank, group))
+        # PP forward: stage 0 reduces (alone here), stage 1 receives stage 0's value
+        pp = RankSync(pp_group=group, pp_rank=rank, pp_size=WORLD)
+        out["bare"] = pp.agree_min([rank + 5, 100 - rank])
+        pp.close()
+        dist.barrier(group=group)
+    finally:
+        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
+            json.dump(out, f)
+        dist.destroy_process_group()
+
+
+def _stage_env(E, rank, group):
+    """E.make_env as PP stage `rank`: its own fingerprint and a shared host tier, as the factory
+    builds it for --pp-size > 1."""
+    from dataclasses import replace
+
+    from flexflow_sglang.backend.cache import FlexFlowRadixCache
+    from flexflow_sglang.connector import FlexFlowConnector, KVLayout
+
+    kv, alloc, req_pool, params = E.make_pools(page_size=2, size=128,
+                                               params_kw=dict(pp_cache_group=group, pp_rank=rank, pp_size=WORLD))
+    cfg = E.test_config(2)
+    cfg = replace(cfg, host_tier=replace(cfg.host_tier, shared=True))
+    conn = FlexFlowConnector(KVLayout.from_pool(kv, 2), cfg, fingerprint={"test": True, "pp_rank": rank},
+                             start_agent=False)
+    return E.Env(FlexFlowRadixCache(params, connector=conn), kv, alloc, req_pool, 128, 2, conn)
+
+
+def _scenarios(E, EvictParams, rank, env) -> dict:
+    out = {}
     try:
         tree, conn = env.tree, env.connector
         assert tree.rank_sync.active
@@ -38,7 +75,8 @@ def _worker(rank: int, tmp: str) -> None:
 
         def record(name, served):
             out[name] = dict(host_hit=served.host_hit, loaded=served.loaded, prefix=served.prefix_len,
-                             kv_ok=served.kv_ok, idle=env.idle_ok(), protected=tree.protected_size())
+                             kv_ok=served.kv_ok, idle=env.idle_ok(), protected=tree.protected_size(),
+                             pins=conn.host.stats().get("pages_pinned_by_jobs", 0))
 
         # 1) both ranks hold the prefix: both load it
         a = list(range(100, 130))
@@ -70,30 +108,31 @@ def _worker(rank: int, tmp: str) -> None:
             conn.host.words[conn.host.page_of(conn.page_keys(d)[3]), 0] ^= 1
         record("one_rank_load_fails", E.serve(env, "d2", d + [1, 2]))
         out["agreements"] = tree.metrics()["agreements"]
-
-        # 5) PP forward: stage 0 reduces (alone here), stage 1 receives stage 0's value
-        pp = RankSync(pp_group=group, pp_rank=rank, pp_size=WORLD)
-        out["pp"] = pp.agree_min([rank + 5, 100 - rank])
-        pp.close()
-        dist.barrier(group=group)
     finally:
         env.close()
-        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-            json.dump(out, f)
-        dist.destroy_process_group()
+    return out
 
 
 def test_two_ranks_agree(tmp_path):
     import torch.multiprocessing as mp
 
     mp.start_processes(_worker, args=(str(tmp_path),), nprocs=WORLD, join=True, start_method="spawn")
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
-    for name in ("both_hit", "one_rank_miss", "partial", "one_rank_load_fails"):
-        assert r0[name] == r1[name], (name, r0[name], r1[name])
-        assert r0[name]["kv_ok"] and r0[name]["idle"] and r0[name]["protected"] == 0
-    assert r0["both_hit"]["loaded"] == 30
-    assert r0["one_rank_miss"]["host_hit"] == 0 and r0["one_rank_miss"]["prefix"] == 0
-    assert r0["partial"]["host_hit"] == r0["partial"]["loaded"] == 16
-    assert r0["one_rank_load_fails"]["host_hit"] == 30 and r0["one_rank_load_fails"]["loaded"] == 0
-    assert r0["agreements"] == r1["agreements"] > 0
-    assert r0["pp"] == [5, 100] and r1["pp"] == [5, 100]
+    d0, d1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
+    for mode in ("tp", "pp"):  # the later rank / stage vetoes in both layouts
+        r0, r1 = d0[mode], d1[mode]
+        for name in ("both_hit", "one_rank_miss", "partial", "one_rank_load_fails"):
+            assert r0[name] == r1[name], (mode, name, r0[name], r1[name])
+            assert r0[name]["kv_ok"] and r0[name]["idle"] and r0[name]["protected"] == 0
+            assert r0[name]["pins"] == 0, (mode, name)  # every pin stage 0 took was released
+        assert r0["both_hit"]["loaded"] == 30, (mode, r0)
+        assert r0["one_rank_load_fails"]["host_hit"] == 30 and r0["one_rank_load_fails"]["loaded"] == 0
+        assert r0["agreements"] == r1["agreements"] > 0
+    tp, pp = d0["tp"], d0["pp"]
+    assert tp["one_rank_miss"]["host_hit"] == 0 and tp["one_rank_miss"]["prefix"] == 0
+    assert tp["partial"]["host_hit"] == tp["partial"]["loaded"] == 16
+    # PP: stage 0's hit length goes down the pipeline; stage 1's gap turns the load into a miss
+    assert pp["one_rank_miss"]["host_hit"] == 30 and pp["one_rank_miss"]["loaded"] == 0
+    assert pp["one_rank_miss"]["prefix"] == 0
+    assert pp["partial"]["host_hit"] == 30 and pp["partial"]["loaded"] == 0
+    assert d0["bare"] == [5, 100] and d1["bare"] == [5, 100]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("flexflow-kv-")]  # segments unlinked

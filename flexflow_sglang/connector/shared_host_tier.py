@@ -138,6 +138,8 @@ class SharedHostTier:
         self._my_pins: Dict[int, int] = {}  # page -> pins this process holds
         self._closed = False
         self._fd = -1
+        if not self.attach_only:
+            self._gc_stale()
         self._attach()
         self.pinned = False
         if pin_memory and torch.cuda.is_available():  # register the mapping once in this process
@@ -152,6 +154,42 @@ class SharedHostTier:
                     capacity_pages, self.page_nbytes, self.attached_processes())
 
     # ----------------------------------------------------------------- attach / detach
+    def _gc_stale(self) -> None:
+        """Unlink this user's segments in the same directory whose every process and reaper are dead
+        (all of them killed at once): the next tier to start cleans up after them."""
+        d = os.path.dirname(self.path)
+        mine = f"{PREFIX}{os.getuid()}-"
+        try:
+            names = [n for n in os.listdir(d) if n.startswith(mine) and os.path.join(d, n) != self.path]
+        except OSError:
+            return
+        need = (H_PROCS + 2 * MAX_PROCS) * 8
+        for n in names:
+            path = os.path.join(d, n)
+            try:
+                fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                if st.st_uid != os.getuid() or st.st_size < need:
+                    continue
+                h = np.frombuffer(os.pread(fd, need, 0), dtype=np.int64)
+                if h[H_MAGIC] != MAGIC:
+                    continue
+                procs = h[H_PROCS:].reshape(MAX_PROCS, 2)
+                if alive(int(h[H_REAPER_PID]), int(h[H_REAPER_START])) or \
+                        any(alive(int(p), int(t)) for p, t in procs if p > 0):
+                    continue
+                if os.stat(path).st_ino == st.st_ino:
+                    os.unlink(path)
+                    logger.info("flexflow: removed stale shared host tier %s (no live process)", path)
+            except OSError:  # locked by a live process, or gone meanwhile
+                pass
+            finally:
+                os.close(fd)
+
     def _attach(self) -> None:
         cap, wsize = self.capacity_pages, self.page_nbytes // self.page_words
         lay = _layout(cap, self.page_words, wsize)
@@ -281,17 +319,14 @@ class SharedHostTier:
             h = self._h
             if alive(int(h[H_REAPER_PID]), int(h[H_REAPER_START])):
                 return
-            script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_reaper.py")
-            try:
-                p = subprocess.Popen([sys.executable, "-I", "-S", script, self.path], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                     close_fds=True)
-            except OSError:
-                logger.exception("flexflow: no reaper for %s (it is still unlinked by the last process to close)",
-                                 self.path)
-                return
-            h[H_REAPER_PID], h[H_REAPER_START] = p.pid, 0  # the reaper fills in its start time
-            self._reaper = p  # keep the Popen object, so no ResourceWarning; the reaper outlives us
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shm_reaper.py")
+        try:  # it forks and its parent exits at once; the reaper registers itself in the header
+            subprocess.run([sys.executable, "-I", "-S", script, self.path], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                           close_fds=True, timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError):
+            logger.exception("flexflow: no reaper for %s (it is still unlinked by the last process to close)",
+                             self.path)
 
     class _Lock:
         __slots__ = ("fd",)

@@ -1,7 +1,9 @@
 """Reaper of one shared host-tier segment: unlinks it once every process registered in it is dead.
 
-Started detached (own session) by SharedHostTier, run as `python -I -S shm_reaper.py <segment>`:
-standard library only, so it costs a few MB. It exits when the segment is gone (the last process
+Started by SharedHostTier as `python -I -S shm_reaper.py <segment>`: standard library only, so it
+costs a few MB. It forks once and the parent exits, so the reaper is no descendant of the serving
+process (SGLang kills its schedulers' process trees at shutdown) and in its own session (the server's
+process group is signalled too). It registers itself in the segment header; a second reaper exits. It exits when the segment is gone (the last process
 unlinked it on close) or after unlinking it itself (the last process was killed). It reads the
 process table under the same flock() the tier takes; layout constants mirror shared_host_tier.py.
 """
@@ -28,6 +30,9 @@ def start_time(pid):
 
 
 def main(path):
+    if os.fork() > 0:
+        return 0  # the starter waits for this parent only
+    os.setsid()
     me = os.getpid()
     mine = start_time(me)
     first = True
@@ -50,8 +55,9 @@ def main(path):
             try:
                 pid, start = struct.unpack_from("<qq", mm, H_REAPER_PID * 8)
                 if first:
-                    if pid == me:
-                        struct.pack_into("<q", mm, H_REAPER_START * 8, mine)
+                    if pid > 0 and start > 0 and start_time(pid) == start:
+                        return 0  # a live reaper already watches this segment
+                    struct.pack_into("<qq", mm, H_REAPER_PID * 8, me, mine)
                     first = False
                 elif pid != me or start != mine:
                     return 0  # another reaper took over

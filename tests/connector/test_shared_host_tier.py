@@ -144,6 +144,8 @@ def _store_then_exit(path_dir, fingerprint, n, base, close):
     write(t, [key(base + i) for i in range(n)], base)
     if close:
         t.close()
+    elif close is None:
+        os._exit(0)  # as if killed: no close, no finaliser
 
 
 def test_other_process_stores_are_hits(tmp_path):
@@ -225,6 +227,18 @@ def test_reaper_unlinks_after_every_process_is_killed(tmp_path):
     for ev in evs:
         assert ev.wait(120)
     assert len(leftovers(tmp_path)) == 1
+    # the reaper is nobody's descendant here (SGLang kills its schedulers' process trees)
+    import numpy as np
+    from flexflow_sglang.connector.shared_host_tier import H_REAPER_PID
+    seg = os.path.join(tmp_path, leftovers(tmp_path)[0])
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        reaper = int(np.fromfile(seg, dtype=np.int64, count=H_REAPER_PID + 1)[H_REAPER_PID])
+        if reaper > 0:
+            break
+        time.sleep(0.2)
+    ppid = int(open(f"/proc/{reaper}/stat").read().rsplit(")", 1)[1].split()[1])
+    assert ppid not in {p.pid for p in procs} | {os.getpid()}
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
@@ -318,4 +332,18 @@ def test_pin_present_hands_pins_to_the_loader(tmp_path):
         if stage0 is not None:
             stage0.close()
         owner.close()
+    assert leftovers(tmp_path) == []
+
+
+def test_stale_segment_of_dead_processes_is_removed_at_next_start(tmp_path):
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_store_then_exit, args=(str(tmp_path), "a dead model", 2, 10, None))
+    p.start()
+    p.join(120)  # exited without close and without a reaper: its segment stays behind
+    assert p.exitcode == 0 and len(leftovers(tmp_path)) == 1
+    t = make(tmp_path)  # any tier starting in this directory cleans up
+    try:
+        assert leftovers(tmp_path) == [os.path.basename(t.path)]
+    finally:
+        t.close()
     assert leftovers(tmp_path) == []

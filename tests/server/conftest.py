@@ -152,7 +152,7 @@ def real_baselines(sglang_ready, real_model, tmp_path_factory):
     """`baseline(prompts, **server_args) -> path`: the PLAIN server's R1 (fresh, in file order) and R2
     (device hits at the same cached length) on the real model, once per prompt file and flags."""
     from flexflow_sglang.server_utils import SGLangServer
-    from server_helpers import REAL_MAX_TOTAL_TOKENS, verify
+    from server_helpers import REAL_MAX_TOTAL_TOKENS, REAL_MEM_FRACTION, verify
 
     cache = {}
 
@@ -162,7 +162,7 @@ def real_baselines(sglang_ready, real_model, tmp_path_factory):
             d = tmp_path_factory.mktemp("real-baseline")
             out = str(d / "baseline.json")
             with SGLangServer(real_model, log_path=str(d / "plain.log"), max_total_tokens=REAL_MAX_TOTAL_TOKENS,
-                              **server_args) as srv:
+                              mem_fraction_static=REAL_MEM_FRACTION, **server_args) as srv:
                 rc, stdout, stderr, last = verify("--phase", "baseline", "--url", srv.url, "--prompts", prompts,
                                                   "--out", out, "--max-new-tokens", "12")
                 assert rc == 0, stdout + stderr

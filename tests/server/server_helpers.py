@@ -62,6 +62,9 @@ def write_config(tmp_path, name, host_tier=None, **sections) -> str:
 CHAT_PROMPTS = str(REPO_ROOT / "flexflow_sglang" / "data" / "chat_prompts.jsonl")
 #: KV pool of the real-model servers: holds the whole chat prompt set (no device eviction)
 REAL_MAX_TOTAL_TOKENS = 24000
+#: enough that SGLang's memory profile never caps the pool below REAL_MAX_TOTAL_TOKENS (the profile
+#: depends on the machine's free memory at start: a cap would give plain and flexflow different pools)
+REAL_MEM_FRACTION = 0.15
 
 
 def compare_kv_dumps(root) -> dict:

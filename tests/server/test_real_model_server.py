@@ -19,7 +19,8 @@ import json
 
 import pytest
 
-from server_helpers import CHAT_PROMPTS, REAL_MAX_TOTAL_TOKENS, compare_kv_dumps, verify, write_config
+from server_helpers import (CHAT_PROMPTS, REAL_MAX_TOTAL_TOKENS, REAL_MEM_FRACTION, compare_kv_dumps, verify,
+                            write_config)
 
 pytestmark = pytest.mark.server
 
@@ -38,7 +39,8 @@ def test_real_model_host_hits_equal_device_hits(case, real_model, real_baselines
     dump = tmp_path / "kv"
     cfg = write_config(tmp_path, case, host_tier={"capacity_gb": 1.0})
     srv = start_server(real_model, name=f"real-{case}", radix_cache_backend="flexflow", flexflow_config=cfg,
-                       max_total_tokens=REAL_MAX_TOTAL_TOKENS, env={"FLEXFLOW_KV_DUMP_DIR": str(dump)},
+                       max_total_tokens=REAL_MAX_TOTAL_TOKENS, mem_fraction_static=REAL_MEM_FRACTION,
+                       env={"FLEXFLOW_KV_DUMP_DIR": str(dump)},
                        **server_args)
     report = tmp_path / "report.json"
     rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", CHAT_PROMPTS,

@@ -88,7 +88,7 @@ def load_prompts(path: str) -> List[dict]:
         if pid in seen:
             raise UsageError(f"{path}:{n}: duplicate prompt id {pid!r}")
         seen.add(pid)
-        prompts.append({"id": pid, "text": str(obj["text"])})
+        prompts.append({"id": pid, "text": str(obj["text"]), "group": str(obj.get("group", ""))})
     if not prompts:
         raise UsageError(f"{path}: no prompts")
     return prompts
@@ -508,6 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-host-hit", action="store_true",
                     help="do not require host-tier hits on R2 (e.g. a plain SGLang server)")
     ap.add_argument("--no-flush", action="store_true", help="baseline phase: do not flush first")
+    ap.add_argument("--groups", default=None,
+                    help="only the prompts whose \"group\" is in this comma-separated list (both phases)")
     ap.add_argument("--no-device-round", action="store_true",
                     help="test phase: skip R2d (the device-hit repeat before the flush)")
     ap.add_argument("--strict-fresh", action="store_true",
@@ -547,6 +549,11 @@ def main(argv=None) -> int:
             raise UsageError("--phase test needs --baseline FILE")
         args.pd = parse_pd(args)
         prompts = load_prompts(args.prompts)
+        if args.groups:
+            keep = {g.strip() for g in args.groups.split(",") if g.strip()}
+            prompts = [p for p in prompts if p["group"] in keep]
+            if not prompts:
+                raise UsageError(f"--groups {args.groups!r}: no prompt of {args.prompts} is in these groups")
         if args.pd is not None:
             check_server(args.pd.prefill_url)
         if args.phase == "test":

@@ -156,15 +156,16 @@ def real_baselines(sglang_ready, real_model, tmp_path_factory):
 
     cache = {}
 
-    def baseline(prompts: str, **server_args) -> str:
-        key = (prompts, tuple(sorted(server_args.items())))
+    def baseline(prompts: str, groups=None, **server_args) -> str:
+        key = (prompts, groups, tuple(sorted(server_args.items())))
         if key not in cache:
             d = tmp_path_factory.mktemp("real-baseline")
             out = str(d / "baseline.json")
             with SGLangServer(real_model, log_path=str(d / "plain.log"), max_total_tokens=REAL_MAX_TOTAL_TOKENS,
                               mem_fraction_static=REAL_MEM_FRACTION, **server_args) as srv:
                 rc, stdout, stderr, last = verify("--phase", "baseline", "--url", srv.url, "--prompts", prompts,
-                                                  "--out", out, "--max-new-tokens", "12")
+                                                  "--out", out, "--max-new-tokens", "12",
+                                                  *(["--groups", groups] if groups else []))
                 assert rc == 0, stdout + stderr
             cache[key] = out
         return cache[key]

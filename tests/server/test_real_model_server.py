@@ -10,9 +10,11 @@ read before the flush (issue 20's test; docs/correctness.md has the cause and th
 
 Which modes run the real model in CI, and why: page size 1 (the default), page 4 with chunked prefill
 (prefixes split across chunks and pages), TP=2 (two shards, rank-agreed loads) and concurrency 3 (R2s
-of one family race, so prefixes are stitched from device and host pages). Each costs one plain and one
-flexflow server start (~25 s each on 2 cores) and ~90 requests of at most 1,300 tokens; the tiny model
-keeps the wider matrix (small host tier, deeper tiers, PP, DP, PD) fast.
+of one family race, so prefixes are stitched from device and host pages). Page 1 runs all 28 prompts, the
+others the three conversations and one family (16 prompts, the multi-turn part is where a recomputed page
+is shared by the next turn); each costs one flexflow server start (~25 s on 2 cores) and 3 requests per
+prompt, plus a plain server for its baseline; the tiny model keeps the wider matrix (small host tier,
+deeper tiers, PP, DP, PD) fast.
 """
 
 import json
@@ -24,18 +26,21 @@ from server_helpers import (CHAT_PROMPTS, REAL_MAX_TOTAL_TOKENS, REAL_MEM_FRACTI
 
 pytestmark = pytest.mark.server
 
-CASES = {
-    "page1": (dict(), 1),
-    "page4-chunked": (dict(page_size=4, chunked_prefill_size=128), 1),
-    "tp2": (dict(tp_size=2), 1),
-    "page1-concurrent": (dict(), 3),
+#: the three conversations and one system-prompt family (16 of the 28 prompts) where CI time matters
+SUBSET = "chat0,chat1,chat2,sys1"
+CASES = {  # server flags, concurrency, prompt groups (None: all 28)
+    "page1": (dict(), 1, None),
+    "page4-chunked": (dict(page_size=4, chunked_prefill_size=128), 1, SUBSET),
+    "tp2": (dict(tp_size=2), 1, SUBSET),
+    "page1-concurrent": (dict(), 3, SUBSET),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_real_model_host_hits_equal_device_hits(case, real_model, real_baselines, start_server, tmp_path):
-    server_args, concurrency = CASES[case]
-    baseline = real_baselines(CHAT_PROMPTS, **server_args)
+    server_args, concurrency, groups = CASES[case]
+    sel = ["--groups", groups] if groups else []
+    baseline = real_baselines(CHAT_PROMPTS, groups, **server_args)
     dump = tmp_path / "kv"
     cfg = write_config(tmp_path, case, host_tier={"capacity_gb": 1.0})
     srv = start_server(real_model, name=f"real-{case}", radix_cache_backend="flexflow", flexflow_config=cfg,
@@ -45,7 +50,7 @@ def test_real_model_host_hits_equal_device_hits(case, real_model, real_baselines
     report = tmp_path / "report.json"
     rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", CHAT_PROMPTS,
                                       "--baseline", baseline, "--out", str(report),
-                                      "--concurrency", str(concurrency))
+                                      "--concurrency", str(concurrency), *sel)
     assert last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
     assert rc == 0
     rep = json.loads(report.read_text())

@@ -12,7 +12,9 @@ in one run, a fresh server serves the same workload:
     after the first pass they revisit the earliest prompts, which the small device pool and host
     tier have pushed down: those load back from the storage / remote tier.
 
-Modes: `off` (host tier only: no deep tiers), `async` (storage + remote tiers, the transfer engine
+Modes: `off` (no deep tiers; its host tier holds every background prompt, so revisits are host
+hits there too and all modes do the same compute: only the deep-tier traffic differs; set
+--off-host-tokens to change it), `async` (storage + remote tiers, the transfer engine
 moves their bytes on its workers, prefetch on arrival), `sync` (the same tiers with
 transfer.mode: sync: every deep-tier byte on the scheduler thread, the behaviour before issue 13).
 Reported per mode: ITL p50 / p99, and p99 relative to `off` (target: async <= 1.10x). Writes
@@ -54,6 +56,11 @@ def mode_config(mode: str, *, host_tokens: int, storage_path: str, peer: Optiona
             cfg["remote_tier"] = {"enabled": True, "peers": [peer], "timeout_ms": 30000, "write_through": True}
         cfg["transfer"] = {"mode": "sync" if mode == "sync" else "async"}
     return cfg
+
+
+def off_host_tokens(writers: int, fresh_prompts: int, prompt_tokens: int) -> int:
+    """Host tier of the `off` mode: room for every background prompt (twice, for the LRU's slack)."""
+    return max(1024, 2 * writers * fresh_prompts * (prompt_tokens + 16))
 
 
 def prompt(seed: int, words: int) -> str:
@@ -99,8 +106,11 @@ def run_inside(args) -> int:
     from ..server_utils import SGLangServer, flexflow_metrics, generate
     work = tempfile.mkdtemp(prefix=f"ff-stall-{args.mode}-", dir=args.workdir)
     cfg_path = os.path.join(work, "flexflow.yaml")
+    host_tokens = args.host_tokens
+    if args.mode == "off":  # the same host hits as the deep tiers give the other modes (equal compute)
+        host_tokens = args.off_host_tokens or off_host_tokens(args.writers, args.fresh_prompts, args.prompt_tokens)
     with open(cfg_path, "w") as f:
-        yaml.safe_dump(mode_config(args.mode, host_tokens=args.host_tokens,
+        yaml.safe_dump(mode_config(args.mode, host_tokens=host_tokens,
                                    storage_path=os.path.join(work, "kv"), peer=args.peer), f)
     server = SGLangServer(args.model, os.path.join(work, "server.log"), radix_cache_backend="flexflow",
                           flexflow_config=cfg_path, max_total_tokens=args.max_total_tokens,
@@ -239,7 +249,7 @@ def run_driver(args) -> int:
             cmd = [sys.executable, "-m", "flexflow_sglang.bench.stall", "--inside", "--mode", mode, "--peer", peer,
                    "--model", model, "--result", result, "--workdir", args.out]
             for k in ("streams", "decode_tokens", "rounds", "writers", "prompt_tokens", "fresh_prompts",
-                      "host_tokens", "max_total_tokens", "lead_s", "start_timeout"):
+                      "host_tokens", "off_host_tokens", "max_total_tokens", "lead_s", "start_timeout"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             log = open(os.path.join(args.out, f"runner-{mode}.log"), "wb")
             p = lab.spawn("srv", cmd, env={**env, "UCX_NET_DEVICES": lab.dev("srv", "tier")}, stdout=log,
@@ -282,7 +292,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--writers", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--fresh-prompts", type=int, default=4, help="new prompts per writer before it revisits")
-    ap.add_argument("--host-tokens", type=int, default=1024)
+    ap.add_argument("--host-tokens", type=int, default=1024, help="host tier of the async/sync modes")
+    ap.add_argument("--off-host-tokens", type=int, default=0,
+                    help="host tier of the off mode (0: every background prompt fits)")
     ap.add_argument("--max-total-tokens", type=int, default=3072)
     ap.add_argument("--tier-capacity-gb", type=float, default=1.0)
     ap.add_argument("--lead-s", type=float, default=3.0)

@@ -40,3 +40,8 @@ def test_cli_lists_stall(capsys):
     with pytest.raises(SystemExit):
         stall.main(["--streams", "0"])
     assert "--streams must be positive" in capsys.readouterr().err
+
+
+def test_off_mode_host_tier_holds_the_background():
+    from flexflow_sglang.bench import stall
+    assert stall.off_host_tokens(2, 8, 256) == 2 * 2 * 8 * 272 and stall.off_host_tokens(1, 1, 8) == 1024

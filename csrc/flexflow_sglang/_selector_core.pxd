@@ -25,6 +25,9 @@ cdef enum:
     P_RELAY_OVERHEAD_US = 10
     P_NPARAMS = 11
 
+cimport cython
+
+@cython.final
 cdef class PairCore:
     cdef int n_paths
     cdef int[::1] ptype
@@ -59,7 +62,9 @@ cdef class PairCore:
     cdef double* s_sh
 
     cdef void _score(self, double nbytes, bint ttft) noexcept nogil
-    cdef double _leg_bytes(self, int i, double t, double chunk) noexcept nogil
+    cdef inline double _leg_bytes(self, int i, double t, double chunk) noexcept nogil
     cdef double _set_cost(self, int* sel, int n, double nbytes, bint ttft, double* est_out,
                           double* bw_out) noexcept nogil
+    cdef double _pair_bound(self, int a, int b, double nbytes, bint ttft) noexcept nogil
     cdef bint _disjoint_with(self, int c, int* sel, int n) noexcept nogil
+    cdef tuple _select(self, double nbytes, bint ttft)

@@ -10,6 +10,7 @@ margins and returns a plain tuple that Python wraps into a PathDecision.
 Keep in lock-step with flexflow_sglang/selector/_core_py.py (same operations, same order).
 """
 
+cimport cython
 from libc.stdlib cimport malloc, free
 
 cdef double MIN_AVAIL_FRAC = 0.01
@@ -19,6 +20,7 @@ cdef int SPLIT_TOP = 8
 cdef int MAX_SPLIT_CAP = 8
 
 
+@cython.final
 cdef class PairCore:
     def __cinit__(self, int[::1] ptype, int[::1] ptr, int[::1] plinks, double[::1] fixed_lat,
                   int[::1] nrelay, double[::1] extra_hops, unsigned char[::1] disjoint,
@@ -122,7 +124,7 @@ cdef class PairCore:
                               + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
                 * (1.0 + w_qos * risk)
 
-    cdef double _leg_bytes(self, int i, double t, double chunk) noexcept nogil:
+    cdef inline double _leg_bytes(self, int i, double t, double chunk) noexcept nogil:
         """Bytes leg i of the split being costed delivers by time t (us): the inverse of its finish
         time la + (1 + r) * s / b for s <= chunk (the whole share is one pipeline chunk) and
         la + r * chunk / b + s / b above it; 0 before its fixed latency la has passed."""
@@ -201,6 +203,22 @@ cdef class PairCore:
             acc = acc + sh * leg
         return acc / nbytes * (1.0 + self.params[P_W_QOS] * risk)
 
+    cdef inline double _pair_bound(self, int a, int b, double nbytes, bint ttft) noexcept nogil:
+        """A lower bound of _set_cost for the two legs a, b (weights are >= 0): the transfer term
+        at best (shares proportional to bandwidth: w_bw * nbytes / (bw_a + bw_b)) plus the smaller
+        leg's latency and queueing terms, hop penalties and relay fill dropped, times the riskier
+        leg's QoS factor. The 1e-9 slack at the call site covers rounding, so pruning with it never
+        changes a decision."""
+        cdef double wl = self.params[P_W_LAT] * (TTFT_LAT_FACTOR if ttft else 1.0)
+        cdef double ovh = self.params[P_RELAY_OVERHEAD_US], w_q = self.params[P_W_Q]
+        cdef double fa = wl * (self.fixed_lat[a] + self.nrelay[a] * ovh) + w_q * self.s_q[a]
+        cdef double fb = wl * (self.fixed_lat[b] + self.nrelay[b] * ovh) + w_q * self.s_q[b]
+        cdef double risk = self.s_risk[a] if self.s_risk[a] > self.s_risk[b] else self.s_risk[b]
+        if fb < fa:
+            fa = fb
+        return (self.params[P_W_BW] * nbytes / ((self.s_bw[a] + self.s_bw[b]) * 1000.0) + fa) \
+            * (1.0 + self.params[P_W_QOS] * risk)
+
     cdef bint _disjoint_with(self, int c, int* sel, int n) noexcept nogil:
         cdef int i
         for i in range(n):
@@ -209,12 +227,24 @@ cdef class PairCore:
         return True
 
     def select(self, double nbytes, bint ttft):
+        """-> (kind, indices, shares, ...) (see _select)"""
+        return self._select(nbytes, ttft)
+
+    def decide(self, request, paths, selector, bint ttft_default, cls):
+        """select() for `request` wrapped into `cls(request, paths, raw, selector)`: the whole
+        PathSelector.select hot path minus its table lookup, without a Python frame (issue 15:
+        reading the request and building the decision in Python cost ~0.4 us of 1.8)."""
+        cdef bint ttft = request.ttft_sensitive or ttft_default
+        return cls(request, paths, self._select(<double>request.data_bytes, ttft), selector)
+
+    cdef tuple _select(self, double nbytes, bint ttft):
         """-> (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost)"""
         cdef int n = self.n_paths, p, i, j, best_dir = -1, best_ok = -1, best_all = -1, choose
         cdef int kind, reason = 0, aux_link = -1, aux_path = -1, qos_flag = 0, n_top = 0, nsel = 0
         cdef int max_split, c, best_c, t
         cdef double gain = 0.0, sgain = 0.0, cost, est, bw, c2, e2, b2, best_pair_cost, best_pair_est, best_pair_bw
-        cdef double cur_cost, cur_est, cur_bw, cand_cost, cand_est, cand_bw, best_bw
+        cdef double cur_cost, cur_est, cur_bw, cand_cost, cand_est, cand_bw, best_bw, sh0 = 0.0, sh1 = 0.0
+        cdef long long rem, s0
         cdef int pair[8]
         cdef int trial[8]
         if n == 0:
@@ -279,7 +309,7 @@ cdef class PairCore:
                         best_bw = self.s_bw[p]
                 if best_c < 0:
                     break
-                self.s_rej[best_c] = 1
+                self.s_rej[best_c] = -1 - n_top  # < 0: among the widest, at rank -1 - s_rej
                 self.s_order[n_top] = best_c
                 n_top += 1
             best_pair_cost = -1.0
@@ -291,8 +321,16 @@ cdef class PairCore:
                 for j in range(n):
                     if j == self.s_order[i] or self.s_rej[j] == 2:
                         continue
+                    # a two-leg cost is symmetric bit for bit (every sum has two terms), so the
+                    # pair (j, i) costed when j was the first leg can never lose to (i, j) under
+                    # the strict '<' below: skip it (halves the pair costings; issue 15)
+                    if self.s_rej[j] < 0 and -1 - self.s_rej[j] < i:
+                        continue
                     if self.disjoint[self.s_order[i] * n + j] == 0:
                         continue
+                    if best_pair_cost >= 0.0 and self._pair_bound(self.s_order[i], j, nbytes, ttft) \
+                            * (1.0 - 1e-9) > best_pair_cost:
+                        continue  # cannot beat the best pair so far: skip the exact costing
                     trial[0] = self.s_order[i]
                     trial[1] = j
                     c2 = self._set_cost(trial, 2, nbytes, ttft, &e2, &b2)
@@ -302,6 +340,8 @@ cdef class PairCore:
                         best_pair_bw = b2
                         pair[0] = trial[0]
                         pair[1] = trial[1]
+                        sh0 = self.s_sh[0]  # its equal-finish shares: no re-costing if it stays a pair
+                        sh1 = self.s_sh[1]
             if best_pair_cost >= 0.0:
                 nsel = 2
                 cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
@@ -324,16 +364,30 @@ cdef class PairCore:
             if nsel >= 2:
                 sgain = cost / cur_cost - 1.0
                 if sgain > self.params[P_SPLIT_MARGIN]:
-                    idx = tuple([pair[i] for i in range(nsel)])
-                    self._set_cost(pair, nsel, nbytes, ttft, &e2, &b2)  # the chosen set's equal-finish shares
-                    shares = []
-                    rem = int(nbytes)
-                    for i in range(nsel - 1):
-                        s = int(self.s_sh[i])
-                        shares.append(s)
-                        rem -= s
-                    shares.append(rem)
-                    return (PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
+                    if nsel == 2:
+                        idx = (pair[0], pair[1])
+                    else:
+                        idx = tuple([pair[i] for i in range(nsel)])
+                    if nsel == 2:
+                        self.s_sh[0] = sh0
+                        self.s_sh[1] = sh1
+                    else:
+                        self._set_cost(pair, nsel, nbytes, ttft, &e2, &b2)  # the chosen set's equal-finish shares
+                    # whole bytes, truncated as Python's int() does (shares < 2**53), the last
+                    # takes the remainder; C integers, one tuple (issue 15)
+                    rem = <long long>nbytes
+                    if nsel == 2:
+                        s0 = <long long>self.s_sh[0]
+                        shares = (s0, rem - s0)
+                    else:
+                        lst = []
+                        for i in range(nsel - 1):
+                            s0 = <long long>self.s_sh[i]
+                            lst.append(s0)
+                            rem -= s0
+                        lst.append(rem)
+                        shares = tuple(lst)
+                    return (PT_SPLIT, idx, shares, cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
         if reason == 0:
             gain = 0.0
         return (kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
@@ -342,3 +396,46 @@ cdef class PairCore:
         """Per-candidate (available_bw, est_time_us, cost, rejected) for diagnostics and the CLI."""
         self._score(nbytes, ttft)
         return [(self.s_bw[p], self.s_est[p], self.s_cost[p], bool(self.s_rej[p])) for p in range(self.n_paths)]
+
+
+cdef class DecisionBase:
+    """Storage of selector.types.PathDecision, built in C (a Python __init__ cost ~0.3 us per select)."""
+    cdef public object request, _paths, _raw, _sel, _reason
+
+    def __cinit__(self, request, paths, raw, selector):
+        self.request = request
+        self._paths = paths  # candidate Path tuple of the (src, dst) pair
+        self._raw = raw
+        self._sel = selector
+        self._reason = None
+
+
+@cython.final
+cdef class Dispatch:
+    """PathSelector.select as one C call (installed as the selector's `select` attribute when the
+    compiled core is in use): the pair lookup, the request's fields, the core and the decision
+    object without a Python frame. `build(src, dst)` returns the selector's _PairTable on a miss."""
+    cdef dict fast
+    cdef object build, selector, cls
+    cdef public bint ttft_default
+
+    def __init__(self, build, selector, cls, bint ttft_default):
+        self.fast = {}
+        self.build = build
+        self.selector = selector
+        self.cls = cls
+        self.ttft_default = ttft_default
+
+    def __call__(self, request):
+        key = (request.src, request.dst)
+        cdef object ent = self.fast.get(key)
+        if ent is None:
+            t = self.build(request.src, request.dst)
+            ent = self.fast[key] = (t.core, t.paths)
+        core, paths = <tuple>ent
+        cdef bint ttft = request.ttft_sensitive or self.ttft_default
+        if type(core) is PairCore:
+            raw = (<PairCore>core)._select(<double>request.data_bytes, ttft)
+        else:  # a core of another build (benchmarks' baseline): its Python method
+            raw = core.select(request.data_bytes, ttft)
+        return self.cls(request, paths, raw, self.selector)

@@ -17,6 +17,10 @@ PT_DIRECT, PT_NVLINK_RELAY, PT_CROSSNODE_RELAY, PT_SPLIT, PT_STORAGE_RELAY = 0, 
 
 
 class PairCore:
+    #: True: cost every ordered pair and re-cost the chosen split (the search before issue 15);
+    #: tests/selector/test_twin.py checks the pruned search decides exactly like it
+    EXHAUSTIVE = False
+
     def __init__(self, ptype, ptr, plinks, fixed_lat, nrelay, extra_hops, disjoint, cap, thr, util,
                  qdelay, params):
         n = len(ptype)
@@ -193,11 +197,28 @@ class PairCore:
         cost = acc / nbytes * (1.0 + float(params[P_W_QOS]) * risk)
         return cost, t_end, bws
 
+    def _pair_bound(self, a, b, nbytes, ttft):
+        params = self.params
+        wl = float(params[P_W_LAT]) * (TTFT_LAT_FACTOR if ttft else 1.0)
+        ovh = float(params[P_RELAY_OVERHEAD_US])
+        w_q = float(params[P_W_Q])
+        fa = wl * (self.fixed_lat[a] + self.nrelay[a] * ovh) + w_q * self.s_q[a]
+        fb = wl * (self.fixed_lat[b] + self.nrelay[b] * ovh) + w_q * self.s_q[b]
+        risk = self.s_risk[a] if self.s_risk[a] > self.s_risk[b] else self.s_risk[b]
+        if fb < fa:
+            fa = fb
+        return (float(params[P_W_BW]) * nbytes / ((self.s_bw[a] + self.s_bw[b]) * 1000.0) + fa) \
+            * (1.0 + float(params[P_W_QOS]) * risk)
+
     def _disjoint_with(self, c, sel, n):
         for i in range(n):
             if self.disjoint[c * self.n_paths + sel[i]] == 0:
                 return False
         return True
+
+    def decide(self, request, paths, selector, ttft_default, cls):
+        return cls(request, paths, self.select(request.data_bytes, request.ttft_sensitive or ttft_default),
+                   selector)
 
     def select(self, nbytes, ttft):
         nbytes = float(nbytes)
@@ -267,7 +288,7 @@ class PairCore:
                         best_bw = self.s_bw[p]
                 if best_c < 0:
                     break
-                s_rej[best_c] = 1
+                s_rej[best_c] = -1 - n_top  # < 0: among the widest, at rank -1 - s_rej
                 order[n_top] = best_c
                 n_top += 1
             best_pair_cost = -1.0
@@ -280,13 +301,19 @@ class PairCore:
                 for j in range(n):
                     if j == order[i] or s_rej[j] == 2:
                         continue
+                    if s_rej[j] < 0 and -1 - s_rej[j] < i and not self.EXHAUSTIVE:  # (j, i) costed, same cost
+                        continue
                     if self.disjoint[order[i] * n + j] == 0:
+                        continue
+                    if best_pair_cost >= 0.0 and not self.EXHAUSTIVE and \
+                            self._pair_bound(order[i], j, nbytes, ttft) * (1.0 - 1e-9) > best_pair_cost:
                         continue
                     trial = (order[i], j)
                     c2, e2, b2 = self._set_cost(trial, 2, nbytes, ttft)
                     if c2 >= 0.0 and (best_pair_cost < 0.0 or c2 < best_pair_cost):
                         best_pair_cost, best_pair_est, best_pair_bw = c2, e2, b2
                         pair[0], pair[1] = trial
+                        sh0, sh1 = self.s_sh[0], self.s_sh[1]
             if best_pair_cost >= 0.0:
                 nsel = 2
                 cur_cost, cur_est, cur_bw = best_pair_cost, best_pair_est, best_pair_bw
@@ -310,7 +337,10 @@ class PairCore:
                 sgain = cost / cur_cost - 1.0
                 if sgain > float(params[P_SPLIT_MARGIN]):
                     idx = tuple(pair[i] for i in range(nsel))
-                    self._set_cost(pair, nsel, nbytes, ttft)  # the chosen set's equal-finish shares
+                    if nsel == 2 and not self.EXHAUSTIVE:  # the best pair's shares, kept when costed
+                        self.s_sh[0], self.s_sh[1] = sh0, sh1
+                    else:
+                        self._set_cost(pair, nsel, nbytes, ttft)  # the chosen set's equal-finish shares
                     shares = []
                     rem = int(nbytes)
                     for i in range(nsel - 1):

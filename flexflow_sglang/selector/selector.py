@@ -91,6 +91,7 @@ class PathSelector:
         agent.relay_chunk_bytes = self.config.relay_chunk_bytes  # same pipeline model for feedback
         self._cap = np.array([l.capacity_gbps for l in topology.links], dtype=np.float64)
         self._params = pack_params(self.config)
+        self._ttft_default = self.config.ttft_sensitive
         self._thr = self._thresholds()
         # the agent keeps our own in-flight reservations below these (updated in place below)
         try:
@@ -98,6 +99,8 @@ class PathSelector:
         except AttributeError:  # a duck-typed agent without reservations
             pass
         self._tables: Dict[Tuple[str, str], _PairTable] = {}
+        if self.impl == "compiled":  # select() as one C call; the method below is the twin's path
+            self.select = _compiled.Dispatch(self._table, self, PathDecision, self._ttft_default)
 
     def _thresholds(self) -> np.ndarray:
         return np.array([self.config.threshold_for(l.qos_class) for l in self.topology.links], dtype=np.float64)
@@ -107,6 +110,9 @@ class PathSelector:
         self.config = config
         self.agent.relay_chunk_bytes = config.relay_chunk_bytes
         self._params[:] = pack_params(config)
+        self._ttft_default = config.ttft_sensitive
+        if "select" in self.__dict__:  # the compiled Dispatch
+            self.select.ttft_default = config.ttft_sensitive
         self._thr[:] = self._thresholds()
 
     # ----------------------------------------------------------------- preparation
@@ -154,8 +160,7 @@ class PathSelector:
         t = self._tables.get((request.src, request.dst))
         if t is None:
             t = self._table(request.src, request.dst)
-        raw = t.core.select(request.data_bytes, request.ttft_sensitive or self.config.ttft_sensitive)
-        return PathDecision(request, t.paths, raw, self)
+        return t.core.decide(request, t.paths, self, self._ttft_default, PathDecision)
 
     def scores(self, src: str, dst: str, data_bytes: int, ttft: bool = False):
         """Diagnostics: [(path, available_gbps, est_time_us, cost, rejected)] for every candidate."""

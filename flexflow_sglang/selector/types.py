@@ -73,7 +73,22 @@ REASONS = {
 }
 
 
-class PathDecision:
+try:  # the compiled core builds decisions without a Python __init__ (issue 15)
+    from .._selector_core import DecisionBase as _DecisionBase
+except ImportError:  # pragma: no cover - depends on the build
+    class _DecisionBase:
+        __slots__ = ("request", "_paths", "_raw", "_sel", "_reason")
+
+        def __init__(self, request, paths, raw, selector):
+            self.request = request
+            self._paths = paths  # candidate Path tuple of the (src, dst) pair
+            # raw = (kind, indices, shares, est_bw, est_time, qos_violation, reason, aux_link, aux_path, gain, cost)
+            self._raw = raw
+            self._sel = selector
+            self._reason = None
+
+
+class PathDecision(_DecisionBase):
     """The selector's answer. `hops` is the node sequence, or for a SplitPath a tuple of
     (node sequence, bytes) whose bytes sum exactly to the request's data_bytes.
     `estimated_bandwidth` is GB/s, `estimated_time_us` microseconds.
@@ -81,15 +96,7 @@ class PathDecision:
     Built from the core's raw result tuple; everything else is derived on access so that
     select() allocates one small object."""
 
-    __slots__ = ("request", "_paths", "_raw", "_sel", "_reason")
-
-    def __init__(self, request, paths, raw, selector):
-        self.request = request
-        self._paths = paths  # candidate Path tuple of the (src, dst) pair
-        # raw = (kind, indices, shares, est_bw, est_time, qos_violation, reason, aux_link, aux_path, gain, cost)
-        self._raw = raw
-        self._sel = selector
-        self._reason = None
+    __slots__ = ()  # fields live in _DecisionBase: request, _paths, _raw (the core's tuple), _sel, _reason
 
     @property
     def chosen_type(self) -> PathType:

@@ -45,6 +45,55 @@ def test_identical_decisions_on_random_loads(mock):
     assert checked > 300
 
 
+@pytest.mark.parametrize("mock", ["dgx8", "cluster2x8x4", "dgx-a100"])
+def test_pruned_split_search_decides_like_the_exhaustive_one(mock, monkeypatch):
+    """Issue 15's shortcuts (skip the mirrored pair, skip pairs whose lower bound cannot win, keep
+    the best pair's shares) change no decision: the compiled core vs the twin costing every
+    ordered pair as before."""
+    from flexflow_sglang.selector import _core_py
+
+    class Exhaustive(_core_py.PairCore):
+        EXHAUSTIVE = True
+
+    rng = random.Random(15)
+    topo = make_mock(mock)
+    agent = NodeAgent(topo, source="mock")
+    cfgs = [SelectorConfig(), SelectorConfig(max_split_paths=3, w_hops=0.5),
+            SelectorConfig(w_qos_risk=0.0, split_benefit_margin=0.0)]
+    sels = []
+    for c in cfgs:
+        ref = PathSelector(topo, agent, c, impl="python")
+        ref._core_cls = Exhaustive
+        sels.append((PathSelector(topo, agent, c, impl="compiled"), ref))
+    gpus = [n.name for n in topo.nodes_of_kind("gpu")]
+    splits = 0
+    for _ in range(300):
+        for l in topo.links:
+            agent._mock[l.id] = rng.choice([0.0, 0.2, 0.5, 0.85, rng.random()])
+        agent.refresh()
+        a, b = rng.choice(sels)
+        r = TransferRequest(*rng.sample(gpus, 2), rng.choice([1 << 20, 16 << 20, 64 << 20, rng.randint(1, 1 << 30)]),
+                            rng.random() < 0.3)
+        x, y = a.select(r), b.select(r)
+        assert x._raw == y._raw, r
+        splits += x.reason_code == 3
+    assert splits > 5  # the split search ran (dgx8: most requests split)
+
+
+def test_compiled_dispatch_follows_update_config():
+    topo = make_mock("dgx8")
+    agent = NodeAgent(topo, source="mock")
+    a, b = PathSelector(topo, agent, impl="compiled"), PathSelector(topo, agent, impl="python")
+    r = TransferRequest("gpu0", "gpu5", 1 << 20)
+    assert a.select(r)._raw == b.select(r)._raw
+    for s in (a, b):
+        s.update_config(SelectorConfig(ttft_sensitive=True, w_latency=50.0))
+    x, y = a.select(r), b.select(r)
+    assert x._raw == y._raw
+    assert x._raw == a.select(TransferRequest("gpu0", "gpu5", 1 << 20, True))._raw
+    assert x._raw[10] != PathSelector(topo, agent, impl="compiled").select(r)._raw[10]  # the knob took effect
+
+
 def test_require_compiled_env(monkeypatch):
     from flexflow_sglang.errors import CompiledCoreMissing
     from flexflow_sglang.selector import selector as selmod

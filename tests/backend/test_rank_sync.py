@@ -65,6 +65,13 @@ def _stage_env(E, rank, group):
 
 
 def _scenarios(E, EvictParams, rank, env) -> dict:
+    import torch.distributed as dist
+
+    def barrier():
+        # ranks only meet at agreements; in the real PP loop a later stage stores a request's pages
+        # after stage 0 does, and stage 0 then (correctly) calls a hit on them a miss until it has
+        dist.barrier()
+
     out = {}
     try:
         tree, conn = env.tree, env.connector
@@ -82,6 +89,7 @@ def _scenarios(E, EvictParams, rank, env) -> dict:
         a = list(range(100, 130))
         E.serve(env, "a", a)
         evict_all()
+        barrier()  # the other rank has stored (and damaged) its pages too
         record("both_hit", E.serve(env, "a2", a + [1, 2]))
 
         # 2) rank 1 lost the prefix (host eviction elsewhere): MIN -> both miss
@@ -90,6 +98,7 @@ def _scenarios(E, EvictParams, rank, env) -> dict:
         evict_all()
         if rank == 1:
             conn.host.discard(conn.page_keys(b))
+        barrier()  # the other rank has stored (and damaged) its pages too
         record("one_rank_miss", E.serve(env, "b2", b + [1, 2]))
 
         # 3) rank 1 holds only the first half: both load the first half
@@ -98,6 +107,7 @@ def _scenarios(E, EvictParams, rank, env) -> dict:
         evict_all()
         if rank == 1:
             conn.host.discard(conn.page_keys(c)[8:])
+        barrier()  # the other rank has stored (and damaged) its pages too
         record("partial", E.serve(env, "c2", c + [1, 2]))
 
         # 4) rank 1's load fails (checksum): both fall back to recomputation, slots freed on both
@@ -106,6 +116,7 @@ def _scenarios(E, EvictParams, rank, env) -> dict:
         evict_all()
         if rank == 1:
             conn.host.words[conn.host.page_of(conn.page_keys(d)[3]), 0] ^= 1
+        barrier()  # the other rank has stored (and damaged) its pages too
         record("one_rank_load_fails", E.serve(env, "d2", d + [1, 2]))
         out["agreements"] = tree.metrics()["agreements"]
     finally:

@@ -4,9 +4,9 @@ Pages are rows of `words[capacity_pages, page_words]` (see KVLayout for the row 
 in exactly one state: free, reserved (being written by a store, invisible to lookups), or
 indexed (in the LRU map, visible). Only indexed pages are evicted, least recently used first.
 
-Checksums: a wrapping 64-bit sum of the page's words, taken when a store commits and compared
-before a load reads the page. It catches host-memory corruption and page reuse bugs cheaply (one
-vectorised read); it is not a cryptographic digest.
+Checksums: a position-mixing 64-bit hash of the page's words (connector/copy_kernels.py), taken
+when a store commits and compared before a load reads the page. It catches host-memory corruption,
+swapped words and page reuse bugs cheaply (one compiled read); it is not a cryptographic digest.
 """
 
 from __future__ import annotations
@@ -176,13 +176,11 @@ class HostTier:
 
     # ----------------------------------------------------------------- checksums
     def page_sums(self, pages: Sequence[int]) -> torch.Tensor:
-        """Wrapping int64 word sum per page, over contiguous runs (no gather copy)."""
-        out = torch.empty(len(pages), dtype=torch.int64)
-        w = self.words
-        wide = w.view(torch.int64) if self.page_nbytes % 8 == 0 and w.dtype != torch.int64 else w
-        for i0, i1, start in contiguous_runs(list(pages)):
-            torch.sum(wide[start:start + (i1 - i0)], dim=1, dtype=torch.int64, out=out[i0:i1])
-        return out
+        """Position-mixing 64-bit hash per page (catches flipped bits and swapped words; the
+        wrapping word sum it replaced missed swaps): one compiled read per page, or its numpy twin
+        (connector/copy_kernels.py, issue 15)."""
+        from .copy_kernels import hash_rows
+        return hash_rows(self.words, pages)
 
     def first_bad_page(self, pages: Sequence[int]) -> int:
         """Index (into `pages`) of the first page whose checksum does not match, or -1."""

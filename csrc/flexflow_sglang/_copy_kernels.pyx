@@ -1,0 +1,163 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compiled page copies between SGLang's per-layer KV buffers and host-tier page rows, with the page
+checksum fused into the same pass (issue 15 part 2): each source word is read once, written once and
+mixed into its page's hash while it is in a register.
+
+A host page is the concatenation, in order, of S segments (layer-major: K then V, or the one MLA
+buffer); segment s of device page d starts at seg_ptr[s] + d * seg_stride[s] and is seg_nbytes[s]
+long. The flexflow_sglang/connector/copy_kernels.py wrapper builds these tables from a KVLayout and
+holds the torch twin that must give the same bytes and sums.
+
+The page hash (64-bit words w_i, i = 4 b + l: block b of nb = words / 4, lane l; mod 2**64):
+    A_l = sum_b w_(4b+l);  B_l = sum_b (nb - b) w_(4b+l)     (per block: A_l += w; B_l += A_l)
+    hash = sum_k mix(X_k ^ (k + 1) K),  X = (A_0..3, B_0..3),  mix(x) = y ^ (y >> 32), y = x C
+A flipped bit changes A_l by +-2**p (never 0 mod 2**64); swapped words change B_l (same lane) or
+two lane sums (different lanes). Either way a term of the final sum changes and the hash differs
+unless the changes cancel (probability ~2**-64). Adds only in the per-word loop (vectorised), so the
+checksum costs less than the memory traffic; it is not a cryptographic digest (the shared-secret
+MAC is, elsewhere). Segments must be multiples of 32 bytes (4 words) to be hashed.
+"""
+
+from libc.stdint cimport int64_t, uint64_t, uint8_t
+from libc.string cimport memcpy, memset
+
+cdef uint64_t HASH_K = 0x9E3779B97F4A7C15ULL
+cdef uint64_t HASH_C = 0xBF58476D1CE4E5B9ULL
+
+
+cdef inline void _lanes(const uint64_t* src, int64_t n, uint64_t* st) noexcept nogil:
+    """Fold src[0:n] (n a multiple of 4) into the lane sums: per block of 4 words, A_l += w_l, then
+    B_l += A_l (st = A_0..3, B_0..3). Adds only (the compiler vectorises them): the mix loop of
+    the first version cost more than the copy on a loaded core."""
+    cdef uint64_t a0 = st[0], a1 = st[1], a2 = st[2], a3 = st[3]
+    cdef uint64_t b0 = st[4], b1 = st[5], b2 = st[6], b3 = st[7]
+    cdef int64_t k = 0
+    while k < n:
+        a0 += src[k]
+        a1 += src[k + 1]
+        a2 += src[k + 2]
+        a3 += src[k + 3]
+        b0 += a0
+        b1 += a1
+        b2 += a2
+        b3 += a3
+        k += 4
+    st[0] = a0; st[1] = a1; st[2] = a2; st[3] = a3
+    st[4] = b0; st[5] = b1; st[6] = b2; st[7] = b3
+
+
+cdef inline uint64_t _finish(uint64_t* st) noexcept nogil:
+    """The page hash from its lane sums: sum_k mix((k + 1) * K ^ st[k]), mix = multiply by an odd
+    constant then xor-shift (a bijection, so one changed lane sum always changes its term)."""
+    cdef uint64_t h = 0, m
+    cdef int k
+    for k in range(8):
+        m = (st[k] ^ (<uint64_t>(k + 1) * HASH_K)) * HASH_C
+        h += m ^ (m >> 32)
+    return h
+
+
+cdef int64_t CHUNK_WORDS = 2048  # 16 KiB: copied, then folded while it is still in L1
+
+
+cdef inline void _copy_fold(uint64_t* dst, const uint64_t* src, int64_t n, uint64_t* st) noexcept nogil:
+    """dst[0:n] = src[0:n] (dst may be NULL: fold only) and the words folded into st. Per 16 KiB
+    chunk a vectorised memcpy, then the fold over the copy while it is in L1: memory is read once."""
+    cdef int64_t k = 0, c
+    while k < n:
+        c = n - k
+        if c > CHUNK_WORDS:
+            c = CHUNK_WORDS
+        if dst != NULL:
+            memcpy(dst + k, src + k, c * 8)
+            _lanes(dst + k, c, st)
+        else:
+            _lanes(src + k, c, st)
+        k += c
+
+
+cdef int _check_tables(seg_ptr, seg_stride, seg_nbytes, bint hashing) except -1:
+    cdef Py_ssize_t s
+    if not (len(seg_ptr) == len(seg_stride) == len(seg_nbytes)) or len(seg_ptr) == 0:
+        raise ValueError("copy kernels: segment tables differ in length or are empty")
+    if hashing:
+        for s in range(len(seg_nbytes)):
+            if seg_nbytes[s] % 32:
+                raise ValueError(f"copy kernels: segment {s} is {seg_nbytes[s]} B, not a multiple of 32 (no hash)")
+    return 0
+
+
+def gather(uint64_t[::1] seg_ptr, int64_t[::1] seg_stride, int64_t[::1] seg_nbytes, int64_t[::1] dev_pages,
+           uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, int64_t[::1] sums=None):
+    """Store: device page dev_pages[i] -> host row host_pages[i] (all segments, in page order); with
+    `sums`, sums[i] = the hash of that page, computed from the words as they are copied."""
+    cdef Py_ssize_t n = dev_pages.shape[0], S = seg_ptr.shape[0], i, s
+    cdef bint hashing = sums is not None
+    _check_tables(seg_ptr, seg_stride, seg_nbytes, hashing)
+    if host_pages.shape[0] != n or (hashing and sums.shape[0] != n):
+        raise ValueError("copy kernels: dev_pages, host_pages and sums differ in length")
+    cdef uint8_t* row
+    cdef const uint8_t* src
+    cdef uint64_t st[8]
+    with nogil:
+        for i in range(n):
+            row = <uint8_t*>host_ptr + host_pages[i] * host_row_nbytes
+            memset(st, 0, sizeof(st))
+            for s in range(S):
+                src = <const uint8_t*>seg_ptr[s] + dev_pages[i] * seg_stride[s]
+                if hashing:
+                    _copy_fold(<uint64_t*>row, <const uint64_t*>src, seg_nbytes[s] >> 3, st)
+                else:
+                    memcpy(row, src, seg_nbytes[s])
+                row += seg_nbytes[s]
+            if hashing:
+                sums[i] = <int64_t>_finish(st)
+    return None
+
+
+def scatter(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, uint64_t[::1] seg_ptr,
+            int64_t[::1] seg_stride, int64_t[::1] seg_nbytes, int64_t[::1] dev_pages, int64_t[::1] expect=None):
+    """Load: host row host_pages[i] -> device page dev_pages[i]. With `expect`, each page's hash is
+    computed while it is copied and the index of the first page whose hash differs from expect[i] is
+    returned (-1: all match). The copy does not stop there: the caller treats the whole load as a miss
+    and the slots it was given hold no token anyone reads."""
+    cdef Py_ssize_t n = dev_pages.shape[0], S = seg_ptr.shape[0], i, s
+    cdef bint hashing = expect is not None
+    cdef Py_ssize_t bad = -1
+    _check_tables(seg_ptr, seg_stride, seg_nbytes, hashing)
+    if host_pages.shape[0] != n or (hashing and expect.shape[0] != n):
+        raise ValueError("copy kernels: dev_pages, host_pages and expect differ in length")
+    cdef const uint8_t* row
+    cdef uint8_t* dst
+    cdef uint64_t st[8]
+    with nogil:
+        for i in range(n):
+            row = <const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes
+            memset(st, 0, sizeof(st))
+            for s in range(S):
+                dst = <uint8_t*>seg_ptr[s] + dev_pages[i] * seg_stride[s]
+                if hashing:
+                    _copy_fold(<uint64_t*>dst, <const uint64_t*>row, seg_nbytes[s] >> 3, st)
+                else:
+                    memcpy(dst, row, seg_nbytes[s])
+                row += seg_nbytes[s]
+            if hashing and bad < 0 and <int64_t>_finish(st) != expect[i]:
+                bad = i
+    return bad
+
+
+def page_hash(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, int64_t[::1] out):
+    """out[i] = the hash of host row host_pages[i] (one read, no copy)."""
+    cdef Py_ssize_t n = host_pages.shape[0], i
+    cdef uint64_t st[8]
+    if host_row_nbytes % 32:
+        raise ValueError(f"copy kernels: host page of {host_row_nbytes} B is not a multiple of 32 (no hash)")
+    if out.shape[0] != n:
+        raise ValueError("copy kernels: host_pages and out differ in length")
+    with nogil:
+        for i in range(n):
+            memset(st, 0, sizeof(st))
+            _copy_fold(NULL, <const uint64_t*>(<const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes),
+                       host_row_nbytes >> 3, st)
+            out[i] = <int64_t>_finish(st)
+    return None

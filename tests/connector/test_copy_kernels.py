@@ -1,0 +1,94 @@
+"""Compiled fused copy+checksum kernels vs their torch twin: identical bytes, identical sums, and the
+checksum catches a flipped bit and swapped words (issue 15 part 2)."""
+import pytest
+import torch
+
+from flexflow_sglang.connector import KVLayout
+from flexflow_sglang.connector.copy_kernels import PageCopier, hash_rows, kernels_available, page_hash
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="flexflow_sglang._copy_kernels not built")
+
+
+def _pool(page_size, layers=3, heads=2, head_dim=8, dtype=torch.float16, mla=False, pages=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = pages * page_size
+    mk = lambda: torch.randn((rows, heads, head_dim), generator=g).to(dtype)  # noqa: E731
+    bufs = [(mk(),) if mla else (mk(), mk()) for _ in range(layers)]
+    return bufs, KVLayout.from_buffers(bufs, page_size, "mla" if mla else "mha")
+
+
+@pytest.mark.parametrize("page_size,dtype,mla", [(1, torch.float16, False), (4, torch.bfloat16, False),
+                                                  (16, torch.float32, False), (4, torch.float16, True)])
+def test_gather_and_scatter_match_the_twin(page_size, dtype, mla):
+    bufs, layout = _pool(page_size, dtype=dtype, mla=mla)
+    cp = PageCopier(layout)
+    assert cp.compiled and cp.hashable
+    dev = torch.tensor([7, 2, 5, 3, 9])
+    host_pages = [4, 0, 1, 6, 2]
+    a = torch.zeros((8, layout.page_words), dtype=layout.word_dtype)
+    b = torch.zeros_like(a)
+    sa = cp.gather(dev, a, host_pages)
+    sb = cp.gather_twin(dev, b, host_pages)
+    assert torch.equal(a, b) and torch.equal(sa, sb)
+    assert torch.equal(hash_rows(a, host_pages), sa) and torch.equal(page_hash(a[host_pages]), sa)
+    assert len(set(sa.tolist())) == len(host_pages)  # distinct pages, distinct hashes
+    # load back into other pages with both paths: same device bytes, checksums pass
+    before = [[t.clone() for t in layer] for layer in bufs]
+    assert cp.scatter(a, host_pages, [1, 8, 10, 11, 0], expect=sa) == -1
+    got = [[t.clone() for t in layer] for layer in bufs]
+    for layer, orig in zip(bufs, before):
+        for t, o in zip(layer, orig):
+            t.copy_(o)
+    assert cp.scatter_twin(a, host_pages, [1, 8, 10, 11, 0], expect=sa) == -1
+    for layer, g in zip(bufs, got):
+        for t, x in zip(layer, g):
+            assert torch.equal(t.view(torch.uint8), x.view(torch.uint8))
+    ps = page_size
+    for layer in bufs:  # the loaded pages equal the stored ones
+        for t in layer:
+            for s, d in zip(dev.tolist(), [1, 8, 10, 11, 0]):
+                assert torch.equal(t[s * ps:(s + 1) * ps].view(torch.uint8), t[d * ps:(d + 1) * ps].view(torch.uint8))
+
+
+def test_checksum_catches_a_flipped_bit_and_swapped_words():
+    bufs, layout = _pool(4)
+    cp = PageCopier(layout)
+    host = torch.zeros((6, layout.page_words), dtype=layout.word_dtype)
+    sums = cp.gather(torch.tensor([1, 2, 3]), host, [0, 1, 2])
+    w64 = host.view(torch.int64)
+    for mutate in ("flip", "swap", "swap_segments"):
+        h = host.clone()
+        v = h.view(torch.int64)
+        if mutate == "flip":
+            v[1, 5] ^= 1 << 17
+        elif mutate == "swap":
+            v[1, 3], v[1, 9] = w64[1, 9].clone(), w64[1, 3].clone()
+            assert not torch.equal(v[1], w64[1])
+        else:  # K and V segments of layer 0 exchanged: same words, other positions
+            n = layout.seg_words[0] * h.element_size() // 8
+            v[1, :n], v[1, n:2 * n] = w64[1, n:2 * n].clone(), w64[1, :n].clone()
+        assert cp.scatter(h, [0, 1, 2], [4, 5, 6], expect=sums) == 1, mutate
+        assert cp.scatter_twin(h, [0, 1, 2], [4, 5, 6], expect=sums) == 1, mutate
+    # the old wrapping word sum could not see a swap
+    h = host.clone().view(torch.int64)
+    h[2, 0], h[2, 1] = w64[2, 1].clone(), w64[2, 0].clone()
+    assert h[2].sum() == w64[2].sum() and not torch.equal(page_hash(h.view(host.dtype)[2:3]), sums[2:3])
+
+
+def test_no_sums_and_bad_indices():
+    _, layout = _pool(1)
+    cp = PageCopier(layout)
+    host = torch.zeros((4, layout.page_words), dtype=layout.word_dtype)
+    assert cp.gather(torch.tensor([1, 2]), host, [0, 3], with_sums=False) is None
+    assert cp.scatter(host, [0, 3], torch.tensor([5, 6])) == -1
+    with pytest.raises(IndexError, match="host page"):
+        cp.gather(torch.tensor([1]), host, [4])
+    with pytest.raises(IndexError, match="device page"):
+        cp.scatter(host, [0], torch.tensor([layout.num_device_pages]))
+    with pytest.raises(ValueError, match="differ in length|device pages for"):
+        cp.gather(torch.tensor([1, 2]), host, [0])
+    # a host buffer the kernels cannot address goes to the twin, same result
+    odd = torch.zeros((4, layout.page_words), dtype=layout.word_dtype).t().contiguous().t()
+    assert not cp.usable(odd, True)
+    s1 = cp.gather(torch.tensor([1, 2]), odd, [0, 3])
+    assert torch.equal(s1, cp.gather(torch.tensor([1, 2]), host, [0, 3]))

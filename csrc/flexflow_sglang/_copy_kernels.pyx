@@ -20,6 +20,7 @@ MAC is, elsewhere). Segments must be multiples of 32 bytes (4 words) to be hashe
 
 from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.string cimport memcpy, memset
+from cython.parallel cimport prange
 
 cdef uint64_t HASH_K = 0x9E3779B97F4A7C15ULL
 cdef uint64_t HASH_C = 0xBF58476D1CE4E5B9ULL
@@ -88,7 +89,8 @@ cdef int _check_tables(seg_ptr, seg_stride, seg_nbytes, bint hashing) except -1:
 
 
 def gather(uint64_t[::1] seg_ptr, int64_t[::1] seg_stride, int64_t[::1] seg_nbytes, int64_t[::1] dev_pages,
-           uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, int64_t[::1] sums=None):
+           uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, int64_t[::1] sums=None,
+           int threads=1):
     """Store: device page dev_pages[i] -> host row host_pages[i] (all segments, in page order); with
     `sums`, sums[i] = the hash of that page, computed from the words as they are copied."""
     cdef Py_ssize_t n = dev_pages.shape[0], S = seg_ptr.shape[0], i, s
@@ -98,25 +100,54 @@ def gather(uint64_t[::1] seg_ptr, int64_t[::1] seg_stride, int64_t[::1] seg_nbyt
         raise ValueError("copy kernels: dev_pages, host_pages and sums differ in length")
     cdef uint8_t* row
     cdef const uint8_t* src
-    cdef uint64_t st[8]
+    if threads < 1:
+        threads = 1
     with nogil:
-        for i in range(n):
-            row = <uint8_t*>host_ptr + host_pages[i] * host_row_nbytes
-            memset(st, 0, sizeof(st))
-            for s in range(S):
-                src = <const uint8_t*>seg_ptr[s] + dev_pages[i] * seg_stride[s]
-                if hashing:
-                    _copy_fold(<uint64_t*>row, <const uint64_t*>src, seg_nbytes[s] >> 3, st)
-                else:
-                    memcpy(row, src, seg_nbytes[s])
-                row += seg_nbytes[s]
-            if hashing:
-                sums[i] = <int64_t>_finish(st)
+        for i in prange(n, num_threads=threads, schedule="static"):
+            _gather_page(&seg_ptr[0], &seg_stride[0], &seg_nbytes[0], S, dev_pages[i],
+                         <uint8_t*>host_ptr + host_pages[i] * host_row_nbytes, hashing,
+                         &sums[i] if hashing else NULL)
     return None
 
 
+cdef void _gather_page(const uint64_t* seg_ptr, const int64_t* seg_stride, const int64_t* seg_nbytes,
+                       Py_ssize_t S, int64_t dev_page, uint8_t* row, bint hashing, int64_t* sum_out) noexcept nogil:
+    cdef uint64_t st[8]
+    cdef Py_ssize_t s
+    cdef const uint8_t* src
+    memset(st, 0, sizeof(st))
+    for s in range(S):
+        src = <const uint8_t*>seg_ptr[s] + dev_page * seg_stride[s]
+        if hashing:
+            _copy_fold(<uint64_t*>row, <const uint64_t*>src, seg_nbytes[s] >> 3, st)
+        else:
+            memcpy(row, src, seg_nbytes[s])
+        row += seg_nbytes[s]
+    if hashing:
+        sum_out[0] = <int64_t>_finish(st)
+
+
+cdef bint _scatter_page(const uint8_t* row, const uint64_t* seg_ptr, const int64_t* seg_stride,
+                        const int64_t* seg_nbytes, Py_ssize_t S, int64_t dev_page, bint hashing,
+                        int64_t expect) noexcept nogil:
+    """Copies one page; True when hashing and its hash differs from expect."""
+    cdef uint64_t st[8]
+    cdef Py_ssize_t s
+    cdef uint8_t* dst
+    memset(st, 0, sizeof(st))
+    for s in range(S):
+        dst = <uint8_t*>seg_ptr[s] + dev_page * seg_stride[s]
+        if hashing:
+            _copy_fold(<uint64_t*>dst, <const uint64_t*>row, seg_nbytes[s] >> 3, st)
+        else:
+            memcpy(dst, row, seg_nbytes[s])
+        row += seg_nbytes[s]
+    return hashing and <int64_t>_finish(st) != expect
+
+
 def scatter(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, uint64_t[::1] seg_ptr,
-            int64_t[::1] seg_stride, int64_t[::1] seg_nbytes, int64_t[::1] dev_pages, int64_t[::1] expect=None):
+            int64_t[::1] seg_stride, int64_t[::1] seg_nbytes, int64_t[::1] dev_pages, int64_t[::1] expect=None,
+            int threads=1, unsigned char[::1] bad_flags=None):
     """Load: host row host_pages[i] -> device page dev_pages[i]. With `expect`, each page's hash is
     computed while it is copied and the index of the first page whose hash differs from expect[i] is
     returned (-1: all match). The copy does not stop there: the caller treats the whole load as a miss
@@ -129,20 +160,23 @@ def scatter(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages,
         raise ValueError("copy kernels: dev_pages, host_pages and expect differ in length")
     cdef const uint8_t* row
     cdef uint8_t* dst
-    cdef uint64_t st[8]
+    if threads < 1:
+        threads = 1
+    if hashing and (bad_flags is None or bad_flags.shape[0] < n):
+        raise ValueError("copy kernels: scatter with expect needs bad_flags of n bytes")
     with nogil:
-        for i in range(n):
-            row = <const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes
-            memset(st, 0, sizeof(st))
-            for s in range(S):
-                dst = <uint8_t*>seg_ptr[s] + dev_pages[i] * seg_stride[s]
-                if hashing:
-                    _copy_fold(<uint64_t*>dst, <const uint64_t*>row, seg_nbytes[s] >> 3, st)
-                else:
-                    memcpy(dst, row, seg_nbytes[s])
-                row += seg_nbytes[s]
-            if hashing and bad < 0 and <int64_t>_finish(st) != expect[i]:
-                bad = i
+        for i in prange(n, num_threads=threads, schedule="static"):
+            if _scatter_page(<const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes, &seg_ptr[0],
+                             &seg_stride[0], &seg_nbytes[0], S, dev_pages[i], hashing,
+                             expect[i] if hashing else 0):
+                bad_flags[i] = 1
+            elif hashing:
+                bad_flags[i] = 0
+        if hashing:
+            for i in range(n):
+                if bad_flags[i]:
+                    bad = i
+                    break
     return bad
 
 

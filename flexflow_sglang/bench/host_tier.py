@@ -174,6 +174,74 @@ def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int =
     return out
 
 
+def kernel_run(num_tokens: int = 1024, layers: int = 16, heads: int = 8, head_dim: int = 128, dtype="float32",
+               page_sizes=(1, 16, 64), repeats: int = 8, seed: int = 0, progress: bool = True) -> Dict[str, Any]:
+    """The fused copy+checksum kernels (connector/copy_kernels.py) against a plain `copy_` of the
+    same bytes, side by side per repeat: store = gather of random scattered device pages into host
+    rows with their hashes; load = scatter of those rows into other random pages, verifying the
+    hashes. Also the torch twin (index_select/index_copy_ + numpy hash) on the same pages. Defaults:
+    the kv128k preset's volume (16 layers x 8 KV heads x 128, float32 = 128 KB of KV per token)."""
+    from tqdm import tqdm
+
+    from ..connector import KVLayout
+    from ..connector.copy_kernels import PageCopier, kernels_available
+    dt = _dtype(dtype)
+    out: Dict[str, Any] = {"num_tokens": num_tokens, "layers": layers, "heads": heads, "head_dim": head_dim,
+                           "dtype": str(dt).replace("torch.", ""), "kernels_compiled": kernels_available(),
+                           "torch_threads": torch.get_num_threads(), "page_sizes": {}}
+    g = torch.Generator().manual_seed(seed)
+    for ps in page_sizes:
+        npg = num_tokens // ps
+        rows = (2 * npg + 2) * ps
+        bufs = [(torch.randn((rows, heads, head_dim), generator=g).to(dt),
+                 torch.randn((rows, heads, head_dim), generator=g).to(dt)) for _ in range(layers)]
+        layout = KVLayout.from_buffers(bufs, ps)
+        cp = PageCopier(layout)
+        host = torch.empty((npg, layout.page_words), dtype=layout.word_dtype)
+        nbytes = npg * layout.page_nbytes
+        a = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255, generator=g)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        rec = {k: [] for k in ("store", "load", "twin_store", "twin_load")}
+        hp = list(range(npg))
+        for r in tqdm(range(repeats + 1), desc=f"copy kernels (page {ps})", disable=not progress, leave=False):
+            perm = torch.randperm(layout.num_device_pages - 1, generator=g) + 1
+            src, dst = perm[:npg], perm[npg:2 * npg]
+            t = []
+
+            def timed(fn):
+                t0 = time.perf_counter()
+                res = fn()
+                t.append(time.perf_counter() - t0)
+                return res
+
+            def check(bad):
+                if bad != -1:
+                    raise RuntimeError(f"copy kernels bench: checksum mismatch on page {bad}")
+
+            timed(lambda: b.copy_(a))
+            sums = timed(lambda: cp.gather(src, host, hp))
+            timed(lambda: b.copy_(a))
+            check(timed(lambda: cp.scatter(host, hp, dst, sums)))
+            timed(lambda: b.copy_(a))
+            tw = timed(lambda: cp.gather_twin(src, host, hp))
+            timed(lambda: b.copy_(a))
+            check(timed(lambda: cp.scatter_twin(host, hp, dst, tw)))
+            if not torch.equal(tw, sums):
+                raise RuntimeError("copy kernels bench: kernel and twin sums differ")
+            if r == 0:
+                continue  # warm-up
+            for i, k in enumerate(("store", "load", "twin_store", "twin_load")):
+                rec[k].append(t[2 * i] / t[2 * i + 1])  # copy time / kernel time, same bytes, back to back
+        same = all(torch.equal(x[src[0] * ps:(src[0] + 1) * ps], x[dst[0] * ps:(dst[0] + 1) * ps])
+                   for bb in bufs for x in bb)
+        med = statistics.median
+        out["page_sizes"][str(ps)] = {
+            "bytes_per_move": nbytes, "page_nbytes": layout.page_nbytes, "compiled": cp.usable(host, True),
+            **{f"{k}_ratio": round(med(v), 3) for k, v in rec.items()}, "roundtrip_equal": bool(same)}
+    return out
+
+
 def main(argv=None) -> int:
     """`flexflow bench host-tier`: store/load through the connector vs a plain copy of the same bytes."""
     import argparse
@@ -193,7 +261,29 @@ def main(argv=None) -> int:
                          "(what a freshly flushed allocator hands out)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", help="also write the JSON result here")
+    ap.add_argument("--kernels", action="store_true",
+                    help="measure the fused copy+checksum kernels (and their torch twin) against a plain copy "
+                         "at page sizes 1, 16, 64 (default shape: kv128k, 1024 tokens) instead of the connector")
     a = ap.parse_args(argv)
+    if a.kernels:
+        import sys
+        tok = a.tokens if "--tokens" in (argv if argv is not None else sys.argv) else 1024
+        kw = {k: v for k, v in (("layers", a.layers), ("heads", a.heads), ("head_dim", a.head_dim), ("dtype", a.dtype))
+              if f"--{k.replace('_', '-')}" in (argv if argv is not None else sys.argv)}
+        res = kernel_run(num_tokens=tok, repeats=a.repeats, progress=not a.json, **kw)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=2)
+        if a.json:
+            print(json.dumps(res, indent=2))
+            return 0
+        print(f"copy kernels ({'compiled' if res['kernels_compiled'] else 'NOT BUILT: twin only'}): "
+              f"{res['num_tokens']} tokens x {res['layers']} layers x {res['heads']}x{res['head_dim']} {res['dtype']}, "
+              "checksums on; ratio = plain copy time / kernel time (same bytes, same run)")
+        for ps, m in res["page_sizes"].items():
+            print(f"  page {ps:>3}: store {m['store_ratio']:.2f}x  load {m['load_ratio']:.2f}x   "
+                  f"(torch twin: store {m['twin_store_ratio']:.2f}x  load {m['twin_load_ratio']:.2f}x)")
+        return 0
     res = run(a.tokens, a.layers, a.heads, a.head_dim, a.dtype, a.page_size, a.repeats,
               checksums=None if a.checksums == "both" else a.checksums == "on", progress=not a.json, device=a.device,
               dst=a.dst)

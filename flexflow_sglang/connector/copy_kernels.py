@@ -68,6 +68,11 @@ def hash_rows(words: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
     return page_hash(words.index_select(0, torch.from_numpy(idx)))
 
 
+def _threads(n_pages: int) -> int:
+    """torch's intra-op thread count (what a plain `copy_` of the same bytes uses), one per page at most."""
+    return max(1, min(torch.get_num_threads(), n_pages))
+
+
 def _pages_array(pages, limit: int, what: str) -> np.ndarray:
     """int64 contiguous page indices, each in [0, limit): the kernels index raw memory with them."""
     a = pages.cpu().numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages)
@@ -110,7 +115,7 @@ class PageCopier:
             raise ValueError(f"gather: {len(dp)} device pages for {len(hp)} host pages")
         sums = np.empty(len(dp), dtype=np.int64) if with_sums else None
         _ck.gather(self._seg_ptr, self._seg_stride, self._seg_nbytes, dp, host.data_ptr(),
-                   self.layout.page_nbytes, hp, sums)
+                   self.layout.page_nbytes, hp, sums, _threads(len(dp)))
         return torch.from_numpy(sums) if with_sums else None
 
     def scatter(self, host: torch.Tensor, host_pages: Sequence[int], dev_pages,
@@ -130,8 +135,9 @@ class PageCopier:
                                        dtype=np.int64).reshape(-1)
             if len(exp) != len(dp):
                 raise ValueError(f"scatter: {len(exp)} checksums for {len(dp)} pages")
+        flags = np.zeros(len(dp), dtype=np.uint8) if exp is not None else None
         return int(_ck.scatter(host.data_ptr(), self.layout.page_nbytes, hp, self._seg_ptr, self._seg_stride,
-                               self._seg_nbytes, dp, exp))
+                               self._seg_nbytes, dp, exp, _threads(len(dp)), flags))
 
     # ----------------------------------------------------------------- torch twin
     def gather_twin(self, dev_pages, host: torch.Tensor, host_pages: Sequence[int],

@@ -92,3 +92,11 @@ def test_no_sums_and_bad_indices():
     assert not cp.usable(odd, True)
     s1 = cp.gather(torch.tensor([1, 2]), odd, [0, 3])
     assert torch.equal(s1, cp.gather(torch.tensor([1, 2]), host, [0, 3]))
+
+
+def test_bench_kernels_small():
+    from flexflow_sglang.bench.host_tier import kernel_run
+    res = kernel_run(num_tokens=64, layers=2, heads=2, head_dim=16, page_sizes=(1, 16), repeats=1, progress=False)
+    assert res["kernels_compiled"] and set(res["page_sizes"]) == {"1", "16"}
+    for m in res["page_sizes"].values():
+        assert m["compiled"] and m["roundtrip_equal"] and m["store_ratio"] >= 0 and m["twin_load_ratio"] >= 0

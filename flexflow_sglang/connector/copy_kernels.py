@@ -68,8 +68,15 @@ def hash_rows(words: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
     return page_hash(words.index_select(0, torch.from_numpy(idx)))
 
 
-def _threads(n_pages: int) -> int:
-    """torch's intra-op thread count (what a plain `copy_` of the same bytes uses), one per page at most."""
+#: below this many bytes a move runs on the calling thread (starting the OpenMP team costs more)
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+def _threads(n_pages: int, page_nbytes: int) -> int:
+    """torch's intra-op thread count (what a plain `copy_` of the same bytes uses), one per page at
+    most; 1 for small moves."""
+    if n_pages * page_nbytes < PARALLEL_MIN_BYTES:
+        return 1
     return max(1, min(torch.get_num_threads(), n_pages))
 
 
@@ -115,7 +122,7 @@ class PageCopier:
             raise ValueError(f"gather: {len(dp)} device pages for {len(hp)} host pages")
         sums = np.empty(len(dp), dtype=np.int64) if with_sums else None
         _ck.gather(self._seg_ptr, self._seg_stride, self._seg_nbytes, dp, host.data_ptr(),
-                   self.layout.page_nbytes, hp, sums, _threads(len(dp)))
+                   self.layout.page_nbytes, hp, sums, _threads(len(dp), self.layout.page_nbytes))
         return torch.from_numpy(sums) if with_sums else None
 
     def scatter(self, host: torch.Tensor, host_pages: Sequence[int], dev_pages,
@@ -137,7 +144,7 @@ class PageCopier:
                 raise ValueError(f"scatter: {len(exp)} checksums for {len(dp)} pages")
         flags = np.zeros(len(dp), dtype=np.uint8) if exp is not None else None
         return int(_ck.scatter(host.data_ptr(), self.layout.page_nbytes, hp, self._seg_ptr, self._seg_stride,
-                               self._seg_nbytes, dp, exp, _threads(len(dp)), flags))
+                               self._seg_nbytes, dp, exp, _threads(len(dp), self.layout.page_nbytes), flags))
 
     # ----------------------------------------------------------------- torch twin
     def gather_twin(self, dev_pages, host: torch.Tensor, host_pages: Sequence[int],

@@ -34,6 +34,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from . import kv_dump
+from .host_adopt import adopt_host_pages
 from .rank_sync import RankSync, describe
 
 if TYPE_CHECKING:
@@ -96,9 +98,12 @@ class FlexFlowRadixCache(RadixCache):
         self._prefetch: "OrderedDict[CacheRequestHandle, _Prefetch]" = OrderedDict()
         self._released = False
         self._prom = None
+        self._dump_kv = kv_dump.dump_dir() is not None
+        self._dumped: set = set()
+        self._dump_rank = getattr(ctx, "tp_rank", 0) if ctx is not None else 0
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
-            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "prefetches_issued",
+            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued",
             "prefetch_holds", "prefetch_timeouts", "prefetch_ready")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
@@ -169,6 +174,9 @@ class FlexFlowRadixCache(RadixCache):
         req = params.req
         if req is None or self.connector is None or self.disable or self.connector.closed:
             return res
+        if self._dump_kv and res.device_prefix_len > 0:
+            self._dump("device", req, params.key.raw_token_ids(),
+                       self.path_device_indices(res.last_device_node)[: res.device_prefix_len])
         handle = req.cache_request_handle
         self._host_hits.pop(handle, None)
         key = params.key
@@ -265,6 +273,9 @@ class FlexFlowRadixCache(RadixCache):
                 self._m["storage_hit_tokens"] += deep_pages * self.page_size
             self._m["load_backs"] += 1
             self._m["load_back_tokens"] += n
+            if self._dump_kv:
+                self._dump("loaded", req, hit.tokens, self.path_device_indices(result.last_device_node),
+                           host_tokens=n)
             return n, result.last_device_node
         except Exception:
             if slots is not None:
@@ -280,6 +291,16 @@ class FlexFlowRadixCache(RadixCache):
         if unpin is not None:
             unpin(pages)
 
+    def _dump(self, kind: str, req, tokens, slots, **extra) -> None:
+        """FLEXFLOW_KV_DUMP_DIR diagnostic (kv_dump): once per request, kind and length."""
+        n = len(slots)
+        tag = (req.rid, kind, n)
+        if tag in self._dumped:
+            return
+        self._dumped.add(tag)
+        kv_dump.write_record(kind, list(tokens[:n]), slots, self.token_to_kv_pool_allocator.get_kvcache(),
+                             rank=self._dump_rank, rid=str(req.rid), **extra)
+
     def _attached(self, node: TreeNode) -> bool:
         while node is not self.root_node:
             parent = node.parent
@@ -290,6 +311,10 @@ class FlexFlowRadixCache(RadixCache):
 
     # ================================================================= store side
     def checkpoint(self, req: "Req", *, up_to: int):
+        if (self.connector is not None and not self.disable and not self.connector.closed
+                and self.connector.config.host_tier.canonical_on_insert):
+            # pages the host tier holds past the tree's match are the canonical KV (host_adopt)
+            adopt_host_pages(self, req, up_to)
         super().checkpoint(req, up_to=up_to)
         if (self.connector is None or self.disable or self.write_policy != "write_through"
                 or not req.finished() or self.connector.closed):

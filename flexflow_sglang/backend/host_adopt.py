@@ -24,13 +24,9 @@ corrupt load writes no slot and the request keeps its own, valid, KV. TP/CP rank
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-from sglang.srt.mem_cache.radix_cache import RadixKey, RadixCache
-
-if TYPE_CHECKING:
-    from .cache import FlexFlowRadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +35,8 @@ logger = logging.getLogger(__name__)
 FIRST_STEP_PAGES = 8
 
 
-def adopt_host_pages(cache: "FlexFlowRadixCache", req, up_to: int) -> int:
-    """Before `RadixCache.checkpoint(req, up_to)`: overwrite the request's own KV of the pages past
+def adopt_host_pages(cache, req, up_to: int) -> int:
+    """Before `RadixCache.checkpoint(req, up_to)` of `cache` (a FlexFlowRadixCache): overwrite the request's own KV of the pages past
     the tree's match that the host tier holds (leading run) with the host copies. Returns the pages
     adopted (rank-agreed)."""
     ps = cache.page_size
@@ -87,6 +83,7 @@ def adopt_host_pages(cache: "FlexFlowRadixCache", req, up_to: int) -> int:
     ok = conn.load(keys[:found], slots)
     if not ok:  # nothing was written: the request keeps its own (valid) KV for these pages
         cache._m["adopt_failures"] += 1
+        logger.debug("flexflow: %d host pages not adopted for request %s (load failed)", found, req.rid)
         return 0
     cache._m["adopted_pages"] += found
     return found

@@ -179,6 +179,19 @@ def _cached(res: Optional[dict]) -> Optional[int]:
     return None if not isinstance(res, dict) or res.get("cached_tokens") is None else int(res["cached_tokens"])
 
 
+def _judge_same_length(v: PromptVerdict, ref: dict, got: dict, label: str, skipped: str,
+                       require_length: bool = True) -> None:
+    """Count `got` != `ref` as a mismatch when both ran at the same cached length (like with like);
+    otherwise note `skipped`. Concurrent R1s, for instance, compute a shared prefix side by side."""
+    if require_length and _cached(ref) != _cached(got):
+        v.notes.append(skipped)
+        return
+    diffs = compare_outputs(ref, got)
+    if diffs:
+        v.mismatches += 1
+        v.problems.append(f"{label}: " + ", ".join(diffs))
+
+
 def evaluate_prompt(
     pid: str,
     expected: Optional[dict],
@@ -213,32 +226,18 @@ def evaluate_prompt(
             v.mismatches += 1
             v.problems.append(f"{name} request failed: {res}")
     if isinstance(r1, dict):
-        if expected.get("cached_tokens") is not None and _cached(expected) != _cached(r1):
-            # e.g. concurrent R1s computed a shared prefix side by side: not the same computation
-            v.notes.append(f"baseline R1 cached {_cached(expected)} != R1 cached {_cached(r1)}: R1 not compared")
-        else:
-            diffs = compare_outputs(expected, r1)
-            if diffs:
-                v.mismatches += 1
-                v.problems.append("R1 vs baseline R1: " + ", ".join(diffs))
+        # a version-1 baseline has no cached length: R1 is always compared then
+        _judge_same_length(v, expected, r1, "R1 vs baseline R1",
+                           f"baseline R1 cached {_cached(expected)} != R1 cached {_cached(r1)}: R1 not compared",
+                           require_length=expected.get("cached_tokens") is not None)
     if isinstance(r2, dict):
         if isinstance(r2d, dict):
-            if _cached(r2d) == _cached(r2):
-                diffs = compare_outputs(r2d, r2)
-                if diffs:
-                    v.mismatches += 1
-                    v.problems.append("R2 (host hit) vs R2d (device hit, same length): " + ", ".join(diffs))
-            else:
-                v.notes.append(f"R2d cached {_cached(r2d)} != R2 cached {_cached(r2)}: hit vs hit not compared")
+            _judge_same_length(v, r2d, r2, "R2 (host hit) vs R2d (device hit, same length)",
+                               f"R2d cached {_cached(r2d)} != R2 cached {_cached(r2)}: hit vs hit not compared")
         ref2 = expected.get("r2")
         if isinstance(ref2, dict):
-            if _cached(ref2) == _cached(r2):
-                diffs = compare_outputs(ref2, r2)
-                if diffs:
-                    v.mismatches += 1
-                    v.problems.append("R2 vs baseline R2 (same cached length): " + ", ".join(diffs))
-            else:
-                v.notes.append(f"baseline R2 cached {_cached(ref2)} != R2 cached {_cached(r2)}: not compared")
+            _judge_same_length(v, ref2, r2, "R2 vs baseline R2 (same cached length)",
+                               f"baseline R2 cached {_cached(ref2)} != R2 cached {_cached(r2)}: not compared")
             diffs = compare_outputs(expected, r2)
             if diffs:
                 v.drift_vs_fresh = True

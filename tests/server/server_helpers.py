@@ -48,6 +48,23 @@ def flexflow_metrics(url, until=None, timeout: float = 10.0) -> dict:
         time.sleep(0.5)
 
 
+def wait_transfers_settled(url, timeout: float = 180.0) -> dict:
+    """Poll /metrics (the server needs --enable-metrics) until the backend's transfer engine has
+    nothing queued or running and no store is in flight; returns the last metrics. Write-back is
+    asynchronous: a test that stops a server and expects its pages in a deeper tier must wait for this
+    first (on a loaded 2-core CI machine the engine's workers can trail the requests by seconds)."""
+    keys = ("flexflow_transfer_queued", "flexflow_transfer_running", "flexflow_queued_stores",
+            "flexflow_cache_inflight_stores")
+
+    def settled(m):
+        return all(k in m for k in keys) and all(m[k] == 0 for k in keys)
+    m = flexflow_metrics(url, until=settled, timeout=timeout)
+    missing = [k for k in keys if k not in m]
+    assert not missing, f"{url}/metrics has no {missing} (is --enable-metrics set?)"
+    assert settled(m), f"transfers still pending after {timeout} s: { {k: m[k] for k in keys} }"
+    return m
+
+
 def write_config(tmp_path, name, host_tier=None, **sections) -> str:
     """A FLEXFLOW_CONFIG for the CPU server (mock single-device topology) with overrides."""
     import yaml

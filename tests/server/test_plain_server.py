@@ -76,7 +76,20 @@ def test_second_baseline_run_is_identical(plain_server, baseline, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first = json.loads(baseline.read_text())["prompts"]
     second = json.loads(out.read_text())["prompts"]
-    assert second == first
+    # How much of each prompt the device tree held (cached_tokens & co) depends on which prompts ran
+    # side by side (a family's members racing at concurrency 4 share nothing yet), so only what greedy
+    # decoding promises is compared: the prompt, and R1's and R2's tokens and text.
+    assert sorted(second) == sorted(first)
+    for name in first:
+        a, b = _outputs(first[name]), _outputs(second[name])
+        assert b == a, f"{name}: second baseline run {b} != first {a}"
+
+
+def _outputs(entry: dict) -> dict:
+    keep = ("prompt_sha256", "prompt_tokens", "output_ids", "text")
+    out = {k: entry.get(k) for k in keep}
+    out["r2"] = {k: (entry.get("r2") or {}).get(k) for k in ("output_ids", "text")}
+    return out
 
 
 def test_test_phase_against_plain_server_without_host_requirement(plain_server, baseline):

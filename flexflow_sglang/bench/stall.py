@@ -114,7 +114,8 @@ def run_inside(args) -> int:
                                    storage_path=os.path.join(work, "kv"), peer=args.peer), f)
     server = SGLangServer(args.model, os.path.join(work, "server.log"), radix_cache_backend="flexflow",
                           flexflow_config=cfg_path, max_total_tokens=args.max_total_tokens,
-                          max_running_requests=args.streams + args.writers + 2, extra_args=["--enable-metrics"],
+                          max_running_requests=args.streams + args.writers + 2,
+                          extra_args=["--enable-metrics", "--dtype", args.dtype or "auto"],
                           timeout=args.start_timeout)
     res = {"mode": args.mode, "log": server.log_path}
     server.start()
@@ -207,22 +208,27 @@ def plot(result: dict, path: str) -> None:
 def run_driver(args) -> int:
     from tqdm import tqdm
 
-    from ..cpu_support.tiny_model import PRESETS, kv_bytes_per_token, make_tiny_model
+    from . import kv_bytes_per_token_of, resolve_model
     from .contention import netlab
     ok, why = netlab.available()
     if not ok:
         print(f"bench stall: needs root, iproute2 and tc: {why}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    model = args.model or make_tiny_model(os.path.join(args.out, "model-kv128k"), **PRESETS["kv128k"])
-    kvpt = kv_bytes_per_token(**PRESETS["kv128k"])
+    model, model_name = resolve_model(args.model, args.out, "kv128k")
+    if args.model is None:
+        model_name += " (16 layers, 8 KV heads x 128, float32)"
+    # the preset's 128 KB per token is float32 KV: SGLang's --dtype auto would serve it as float16
+    args.dtype = args.dtype or ("float32" if args.model is None else "auto")
+    kvpt = kv_bytes_per_token_of(model, args.dtype) or 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad:
         print(f"bench stall: unknown mode(s) {bad}; valid: {list(MODES)}", file=sys.stderr)
         return 2
     out = {"command": "flexflow bench stall " + " ".join(args.argv), "commit": _commit(), "model": model,
-           "model_name": "kv128k (tiny_model preset, 16 layers, 8 KV heads x 128, float32)",
+           "dtype": args.dtype,
+           "model_name": model_name,
            "kv_bytes_per_token": kvpt, "rate": args.rate, "streams": args.streams, "decode_tokens": args.decode_tokens,
            "writers": args.writers, "prompt_tokens": args.prompt_tokens, "modes": {}}
     env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_WARN_UNUSED_ENV_VARS": "n",
@@ -249,7 +255,7 @@ def run_driver(args) -> int:
             cmd = [sys.executable, "-m", "flexflow_sglang.bench.stall", "--inside", "--mode", mode, "--peer", peer,
                    "--model", model, "--result", result, "--workdir", args.out]
             for k in ("streams", "decode_tokens", "rounds", "writers", "prompt_tokens", "fresh_prompts",
-                      "host_tokens", "off_host_tokens", "max_total_tokens", "lead_s", "start_timeout"):
+                      "host_tokens", "off_host_tokens", "max_total_tokens", "lead_s", "start_timeout", "dtype"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             log = open(os.path.join(args.out, f"runner-{mode}.log"), "wb")
             p = lab.spawn("srv", cmd, env={**env, "UCX_NET_DEVICES": lab.dev("srv", "tier")}, stdout=log,
@@ -283,7 +289,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="flexflow bench stall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench-stall")
-    ap.add_argument("--model", default=None, help="checkpoint (default: build the kv128k preset under --out)")
+    ap.add_argument("--model", default=None, help="checkpoint dir, or 'smollm2' for the real SmolLM2-135M-Instruct "
+                                                  "(default: build the kv128k preset under --out)")
+    ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for the kv128k preset, "
+                                                  "so its KV really is 128 KB per token; auto otherwise)")
     ap.add_argument("--rate", default="200mbit", help="tbf cap of the srv <-> tier link")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--streams", type=int, default=4)

@@ -144,6 +144,8 @@ def cmd_bench(args) -> int:
         from ..bench.pd_lab import main as bench_main  # type: ignore
     elif args.what == "stall":
         from ..bench.stall import main as bench_main  # type: ignore
+    elif args.what == "sglang-serving":
+        from ..bench.sglang_serving import main as bench_main  # type: ignore
     else:  # pragma: no cover - argparse restricts choices
         raise FlexFlowError(f"unknown benchmark {args.what!r}")
     return bench_main(args.rest) or 0
@@ -215,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks: selector | host-tier | serve | simulate | tiers | contention | pd | stall")
-    b.add_argument("what", choices=["selector", "host-tier", "serve", "simulate", "tiers", "contention", "pd", "stall"])
+    b = sub.add_parser("bench", help="benchmarks: selector | host-tier | serve | sglang-serving | simulate | tiers | "
+                                            "contention | pd | stall")
+    b.add_argument("what", choices=["selector", "host-tier", "serve", "sglang-serving", "simulate", "tiers", "contention",
+                                     "pd", "stall"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     b.set_defaults(func=cmd_bench)
 

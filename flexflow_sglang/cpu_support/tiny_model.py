@@ -15,7 +15,8 @@ Presets: ``tiny`` (default: 2 layers, hidden 64, intermediate 128, 4 heads, 2 KV
 parameters, ~0.5 MB) for functional tests; ``bench`` (4 layers, hidden 512, intermediate 4096,
 8 heads, 4 KV heads, ~29M parameters) for benchmarks where prefill must cost real time;
 ``kv128k`` (16 layers, hidden 256, 8 heads = 8 KV heads of head_dim 128) whose KV is 128 KB per
-token in float32, as large as an 8B model's, for benchmarks of KV transfers.
+token in float32, as large as an 8B model's, for benchmarks of KV transfers (served with
+``--dtype float32``: SGLang's ``--dtype auto`` serves float32 checkpoints in float16).
 
 A rebuild is skipped when DIR already holds a ``config.json`` and a marker file
 (:data:`MARKER_FILE`) written with the same parameters.
@@ -47,7 +48,8 @@ PRESETS = {
     # show what it saves on a GPU backend
     "bench": dict(layers=4, hidden=512, intermediate=4096, heads=8, kv_heads=4),
     # KV as large per token as an 8B model's (Llama-3-8B: 128 KB in bf16): 16 layers x K,V x 8 KV
-    # heads x head_dim 128 = 128 KB per token in float32 (the CPU server's dtype here), with a small
+    # heads x head_dim 128 = 128 KB per token in float32 (serve with --dtype float32: SGLang's auto
+    # serves float32 checkpoints in float16, 64 KB), with a small
     # hidden size so compute stays cheap: transfers, not matmuls, dominate (issue 13's benchmarks)
     "kv128k": dict(layers=16, hidden=256, intermediate=512, heads=8, kv_heads=8, head_dim=128),
 }

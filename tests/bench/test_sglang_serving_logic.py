@@ -1,0 +1,63 @@
+"""`flexflow bench sglang-serving` without a server: its log parsing, command line and ratios."""
+
+import pytest
+
+from flexflow_sglang.bench import kv_bytes_per_token_of
+from flexflow_sglang.bench import sglang_serving as ss
+
+
+def test_prefill_tokens_counts_only_lines_after_the_offset(tmp_path):
+    log = tmp_path / "server.log"
+    early = "[t] Prefill batch, #new-seq: 1, #new-token: 500, #cached-token: 0, token usage: 0.1\n"
+    log.write_text(early)
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("[t] Prefill batch, #new-seq: 2, #new-token: 100, #cached-token: 300, token usage: 0.2\n")
+        f.write("[t] Decode batch, #running-req: 3, #token: 444\n")
+        f.write("[t] Prefill batch, #new-seq: 1, #new-token: 50, #cached-token: 550, token usage: 0.2\n")
+    got = ss.prefill_tokens(str(log), offset)
+    assert got["new_tokens"] == 150 and got["cached_tokens"] == 850
+    assert got["cached_ratio"] == pytest.approx(850 / 1000)
+    assert ss.prefill_tokens(str(log), 0)["new_tokens"] == 650
+
+
+def test_command_is_sglangs_generated_shared_prefix_with_the_workload():
+    args = ss.main.__globals__["argparse"].Namespace(
+        gsp_num_groups=3, gsp_prompts_per_group=5, gsp_system_prompt_len=700, gsp_question_len=40,
+        gsp_output_len=6, max_concurrency=2, seed=9)
+    cmd = ss.bench_serving_cmd("http://127.0.0.1:1", "/m", "/o.jsonl", args)
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert cmd[1:3] == ["-m", "sglang.bench_serving"]
+    assert flags["--dataset-name"] == "generated-shared-prefix" and flags["--num-prompts"] == "15"
+    assert flags["--gsp-system-prompt-len"] == "700" and flags["--seed"] == "9" and flags["--output-file"] == "/o.jsonl"
+
+
+def test_summary_ratios_use_the_last_pass_of_each_round():
+    def run(backend, rnd, ttft, thr, ratio):
+        first = {"median_ttft_ms": 999.0, "output_throughput": 1.0, "cached_ratio": 0.0}
+        last = {"median_ttft_ms": ttft, "mean_ttft_ms": ttft, "p99_ttft_ms": ttft, "output_throughput": thr,
+                "request_throughput": thr, "median_itl_ms": 10.0, "cached_ratio": ratio}
+        return {"backend": backend, "round": rnd, "ran": True, "passes": [first, last]}
+    res = [run("baseline", 0, 400.0, 10.0, 0.2), run("flexflow", 0, 100.0, 20.0, 0.9),
+           run("baseline", 1, 500.0, 10.0, 0.2), run("flexflow", 1, 250.0, 10.0, 0.8),
+           {"backend": "flexflow", "round": 2, "ran": False, "error": "x"}]
+    s = ss.summarize(res)
+    assert s["rounds"] == 2
+    assert s["last_pass_flexflow_over_plain"]["median_ttft_ms"] == pytest.approx((0.25 + 0.5) / 2)
+    assert s["last_pass_flexflow_over_plain"]["output_throughput"] == pytest.approx(1.5)
+    assert s["last_pass_cached_ratio"] == {"plain": 0.2, "flexflow": pytest.approx(0.85)}
+    assert ss.summarize([res[0]]) == {}
+
+
+def test_kv_bytes_per_token_follows_the_dtype_sglang_serves(tmp_path):
+    import json
+    cfg = {"num_attention_heads": 8, "hidden_size": 256, "num_key_value_heads": 8, "head_dim": 128,
+           "num_hidden_layers": 16, "dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # --dtype auto serves a float32 checkpoint in float16 (SGLang's model_config), halving its KV
+    assert kv_bytes_per_token_of(str(tmp_path)) == 64 * 1024
+    assert kv_bytes_per_token_of(str(tmp_path), "float32") == 128 * 1024
+    cfg.update(dtype="bfloat16", num_key_value_heads=3, head_dim=64, num_hidden_layers=30)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert kv_bytes_per_token_of(str(tmp_path)) == 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: 22.5 KB
+    assert kv_bytes_per_token_of(str(tmp_path / "missing")) is None

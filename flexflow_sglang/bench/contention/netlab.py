@@ -224,7 +224,23 @@ class NetLab:
             _run(["ip", "-n", self.ns(node), "addr", "add", f"{addrs[node]}/24", "dev", dev])
             _run(["ip", "-n", self.ns(node), "link", "set", dev, "mtu", str(self.mtu)])
             _run(["ip", "-n", self.ns(node), "link", "set", dev, "up"])
+        # `link set up` returns before the pair has carrier: a process started at once (UCX lists
+        # its devices when its context is made) would find the device DOWN and refuse it
+        for node, dev in ((a, da), (b, db)):
+            self._wait_up(node, dev)
         return k, addrs
+
+    def _wait_up(self, node: str, dev: str, timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < end:
+            out = subprocess.run(["ip", "-n", self.ns(node), "-br", "link", "show", "dev", dev],
+                                 capture_output=True, text=True).stdout.split()
+            state = out[1] if len(out) > 1 else "missing"
+            if state == "UP":
+                return
+            time.sleep(0.05)
+        raise NetLabError(f"{dev} in namespace {self.ns(node)} ({node}) is {state}, not UP, after {timeout} s")
 
     def add_lane(self, a: str, b: str, rate: Optional[str] = "1gbit") -> int:
         """Another veth pair between a and b (a parallel rail: two NICs between the same hosts),

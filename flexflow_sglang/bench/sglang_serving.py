@@ -55,13 +55,32 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
             "--output-file", out_file, "--disable-tqdm"]
 
 
+def write_config(out: str, host_tokens: int, storage: bool) -> str:
+    """A FLEXFLOW_CONFIG for this run: a host tier of `host_tokens` tokens (smaller than the working
+    set makes pages spill), and with `storage` a storage tier under `out` that catches the spills."""
+    import shutil
+
+    import yaml
+    cfg = {"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+           "host_tier": {"capacity_tokens": host_tokens, "write_policy": "write_through"}}
+    if storage:
+        kv = os.path.join(out, "storage-kv")
+        shutil.rmtree(kv, ignore_errors=True)  # every backend starts from an empty storage tier
+        cfg["storage_tier"] = {"enabled": True, "path": kv, "capacity_gb": 8.0}
+    path = os.path.join(out, "flexflow.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
 def run_backend(name: str, model: str, args) -> dict:
     from ..server_utils import SGLangServer, ServerStartError
     from .serve import _flexflow_counters, _root_cause
     kw = {"radix_cache_backend": "flexflow", "flexflow_config": args.config} if name == "flexflow" else {}
     log = os.path.join(args.out, f"server-{name}.log")
     server = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
-                          max_running_requests=max(4, args.max_concurrency), extra_args=["--enable-metrics"], **kw)
+                          max_running_requests=max(4, args.max_concurrency),
+                          extra_args=["--enable-metrics", "--dtype", args.dtype], **kw)
     try:
         server.start()
     except ServerStartError as e:
@@ -144,7 +163,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="flexflow bench sglang-serving", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/bench-sglang-serving")
-    ap.add_argument("--model", default="smollm2", help="'smollm2' (the real model, built if missing) or a model dir")
+    ap.add_argument("--model", default="smollm2",
+                    help="'smollm2' (the real model, built if missing), a tiny_model preset (kv128k: 8B-sized KV), "
+                         "or a model dir")
     ap.add_argument("--backends", default="baseline,flexflow")
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG (default configs/cpu-dev.yaml)")
     ap.add_argument("--gsp-num-groups", type=int, default=8)
@@ -155,6 +176,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-concurrency", type=int, default=2)
     ap.add_argument("--max-total-tokens", type=int, default=4096,
                     help="device KV pool; below groups x system-prompt-len the device tree must evict")
+    ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, so that "
+                                                  "kv128k really holds 128 KB per token; auto otherwise)")
+    ap.add_argument("--host-tokens", type=int, default=None,
+                    help="write a config with a host tier of this many tokens (instead of --config)")
+    ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
     ap.add_argument("--seed", type=int, default=1)
@@ -176,7 +202,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .stall import _commit
     args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
     os.makedirs(args.out, exist_ok=True)
-    model, model_name = resolve_model(None if args.model == "tiny" else args.model, args.out, "bench")
+    from ..cpu_support.tiny_model import PRESETS
+    preset = args.model in PRESETS
+    model, model_name = resolve_model(None if preset else args.model, args.out, args.model if preset else "bench")
+    args.dtype = args.dtype or ("float32" if preset else "auto")
+    if args.host_tokens is not None:
+        args.config = write_config(args.out, args.host_tokens, args.storage)
+    elif args.storage:
+        ap.error("--storage needs --host-tokens (the generated config)")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in ("baseline", "flexflow")]
     if bad:
@@ -184,6 +217,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     results = []
     jobs = [(rnd, b) for rnd in range(args.rounds) for b in backends]
     for rnd, name in tqdm(jobs, desc="bench sglang-serving", unit="server"):
+        if args.host_tokens is not None:
+            write_config(args.out, args.host_tokens, args.storage)  # an empty storage tier per server
         r = run_backend(name, model, args)
         r["round"] = rnd
         results.append(r)
@@ -192,7 +227,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary = summarize(results)
     workload = {k: getattr(args, k) for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len",
                                               "gsp_question_len", "gsp_output_len", "max_concurrency",
-                                              "max_total_tokens", "passes", "seed")}
+                                              "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
+                                              "storage", "config")}
     out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
            "model_path": model, "workload": workload, "results": results, "summary": summary}
     with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:

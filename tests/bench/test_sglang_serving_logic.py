@@ -61,3 +61,13 @@ def test_kv_bytes_per_token_follows_the_dtype_sglang_serves(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert kv_bytes_per_token_of(str(tmp_path)) == 30 * 2 * 3 * 64 * 2  # SmolLM2-135M: 22.5 KB
     assert kv_bytes_per_token_of(str(tmp_path / "missing")) is None
+
+
+def test_generated_config_is_valid_and_starts_with_an_empty_storage_tier(tmp_path):
+    from flexflow_sglang.config import load_config
+    stale = tmp_path / "storage-kv" / "old"
+    stale.mkdir(parents=True)
+    cfg = load_config(ss.write_config(str(tmp_path), 2048, storage=True))
+    assert cfg.host_tier.capacity_tokens == 2048 and cfg.storage_tier.enabled
+    assert cfg.storage_tier.path == str(tmp_path / "storage-kv") and not stale.exists()
+    assert not load_config(ss.write_config(str(tmp_path), 512, storage=False)).storage_tier.enabled

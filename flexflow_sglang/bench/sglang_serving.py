@@ -52,7 +52,7 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
             "--gsp-system-prompt-len", str(args.gsp_system_prompt_len), "--gsp-question-len", str(args.gsp_question_len),
             "--gsp-output-len", str(args.gsp_output_len), "--num-prompts", str(args.gsp_num_groups * args.gsp_prompts_per_group),
             "--request-rate", "inf", "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
-            "--output-file", out_file, "--disable-tqdm"]
+            "--output-file", out_file, "--disable-tqdm"] + (["--tokenize-prompt"] if getattr(args, "tokenize_prompt", False) else [])
 
 
 def write_config(out: str, host_tokens: int, storage: bool) -> str:
@@ -206,6 +206,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     preset = args.model in PRESETS
     model, model_name = resolve_model(None if preset else args.model, args.out, args.model if preset else "bench")
     args.dtype = args.dtype or ("float32" if preset else "auto")
+    # a tiny preset's word-level tokenizer does not round-trip bench_serving's generated text (the
+    # server saw 1-token prompts): send the token ids themselves
+    args.tokenize_prompt = preset
     if args.host_tokens is not None:
         args.config = write_config(args.out, args.host_tokens, args.storage)
     elif args.storage:

@@ -381,7 +381,7 @@ class NodeAgent:
         links = list(links)
         if not links or nbytes <= 0 or seconds <= 0:
             return None
-        from ..selector.selector import RELAY_OVERHEAD_US
+        from ..selector.types import RELAY_OVERHEAD_US
         now = time.monotonic()
         gbps = nbytes / seconds / 1e9
         with self._lock:

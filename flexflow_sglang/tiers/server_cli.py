@@ -142,3 +142,5 @@ def main(argv=None) -> int:
     return 0
 
 
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,7 +40,6 @@ import logging
 import mmap
 import secrets
 import socket
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -723,11 +722,7 @@ def _parse_relay_peers(s: Optional[str]) -> Dict[str, str]:
     return out
 
 
-def main(argv=None) -> int:
-    """`flexflow tier-server` (flags, validation, start-up: tiers/server_cli.py)."""
-    from .server_cli import main as cli_main
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m flexflow_sglang.tiers.tier_server`: flags, validation and
+    # start-up live in server_cli.py, which imports this module (the library never imports its CLI)
+    import runpy
+    runpy.run_module("flexflow_sglang.tiers.server_cli", run_name="__main__", alter_sys=True)

@@ -109,7 +109,7 @@ class FlexFlowRadixCache(RadixCache):
         self.rank_sync = RankSync.from_params(params)
         if connector is None:
             from ..connector import FlexFlowConnector
-            connector = FlexFlowConnector.from_sglang(params, ctx=ctx, config=config)
+            connector = FlexFlowConnector.from_sglang(params, ctx=ctx, config=config, parallel=_published_parallel())
         if connector.page_size != self.page_size:
             raise ValueError(f"connector page size {connector.page_size} != tree page size {self.page_size}")
         self.connector = connector
@@ -615,3 +615,13 @@ class FlexFlowRadixCache(RadixCache):
         if self.connector is not None and not self.connector.closed:
             m["connector"] = self.connector.metrics()
         return m
+
+
+def _published_parallel():
+    """The scheduler's parallel layout (attention-TP rank and size) if SGLang published one, else None."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+        par = get_parallel()
+        return par if hasattr(par, "attn_tp_rank") and hasattr(par, "attn_tp_size") else None
+    except Exception:  # noqa: BLE001 - no published context (unit tests build caches without a scheduler)
+        return None

@@ -198,8 +198,11 @@ class FlexFlowConnector:
 
     # ----------------------------------------------------------------- construction from SGLang
     @classmethod
-    def from_sglang(cls, params, ctx=None, config: Optional[FlexFlowConfig] = None, **kw) -> "FlexFlowConnector":
-        """Build from CacheInitParams (+ the TreeCacheBuildContext when a server builds it)."""
+    def from_sglang(cls, params, ctx=None, config: Optional[FlexFlowConfig] = None, parallel=None,
+                    **kw) -> "FlexFlowConnector":
+        """Build from CacheInitParams (+ the TreeCacheBuildContext when a server builds it, and the
+        scheduler's published parallel layout, `attn_tp_rank`/`attn_tp_size`, which backend/ reads
+        from SGLang: the connector itself never imports SGLang)."""
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         layout = KVLayout.from_pool(kvcache, params.page_size)
         fp = {"dtype": str(layout.store_dtype), "layers": layout.layer_num, "rows": layout.row_shapes,
@@ -210,16 +213,12 @@ class FlexFlowConnector:
             sa = ctx.server_args
             fp.update(model=getattr(sa, "model_path", None), revision=getattr(sa, "revision", None),
                       tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
-            try:
-                from sglang.srt.runtime_context import get_parallel
-                par = get_parallel()
+            if parallel is not None:  # None: no published layout (tests); tp_rank already names the shard
                 # the KV shard is named by the attention-TP rank: data-parallel attention replicas
                 # (different global tp_rank, same shard) must share keys, different shards never
-                fp.update(attn_tp_rank=par.attn_tp_rank, attn_tp_size=par.attn_tp_size)
+                fp.update(attn_tp_rank=parallel.attn_tp_rank, attn_tp_size=parallel.attn_tp_size)
                 fp.pop("tp_rank", None)
                 fp.pop("tp_size", None)
-            except Exception:  # noqa: BLE001 - no published context (tests); tp_rank already names the shard
-                pass
             runner = getattr(ctx.tp_worker, "model_runner", None)
             gpu_id = getattr(runner, "gpu_id", None)
             if isinstance(gpu_id, int):

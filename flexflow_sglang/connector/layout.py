@@ -13,16 +13,16 @@ from typing import List, Sequence, Tuple
 import torch
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_PLAIN_POOLS = ("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",
+                "sglang.srt.mem_cache.memory_pool.MLATokenToKVPool")
 
 
 def supported_pool(kvcache) -> Tuple[bool, str]:
     """(True, "") when the connector can move this pool's KV, else (False, why)."""
-    try:
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-    except ImportError as e:  # pragma: no cover - sglang always present where this runs
-        return False, f"sglang memory pools not importable ({e})"
     kind = type(kvcache)
-    if kind not in (MHATokenToKVPool, MLATokenToKVPool):
+    # exactly SGLang's two plain pools (no subclass: those change the layout), named rather than
+    # imported so that the connector does not depend on SGLang (docs/architecture.md, layering)
+    if f"{kind.__module__}.{kind.__qualname__}" not in _PLAIN_POOLS:
         return False, f"KV pool {kind.__name__} is not a plain MHATokenToKVPool/MLATokenToKVPool"
     if getattr(kvcache, "use_hnd", False) or getattr(kvcache, "kv_cache_layout", "nhd") != "nhd":
         return False, f"KV pool layout {getattr(kvcache, 'kv_cache_layout', '?')!r} is not NHD"

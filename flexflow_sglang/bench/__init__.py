@@ -31,7 +31,8 @@ def kv_bytes_per_token_of(model_dir: str, served_dtype: str = "auto") -> Optiona
         width = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}.get(dtype, 2)
         if served_dtype == "auto" and width == 4:
             width = 2
-        return int(c["num_hidden_layers"]) * 2 * kv_heads * head_dim * width
+        from ..cpu_support.tiny_model import kv_bytes_per_token  # the one formula, presets use it too
+        return kv_bytes_per_token(int(c["num_hidden_layers"]), kv_heads, head_dim=head_dim, dtype_bytes=width)
     except (OSError, KeyError, ValueError, TypeError):
         return None
 

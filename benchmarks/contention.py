@@ -3,12 +3,12 @@
 
     sudo python benchmarks/contention.py --out runs/contention [--quick] [--update-doc docs/contention.md]
 
-See docs/contention.md. The implementation lives in flexflow_sglang/bench/contention/.
+See docs/contention.md. The implementation lives in flexflow_sglang/tools/bench/contention/.
 """
 
 import sys
 
-from flexflow_sglang.bench.contention import main
+from flexflow_sglang.tools.bench.contention import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

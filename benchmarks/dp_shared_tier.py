@@ -33,7 +33,7 @@ import requests
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from flexflow_sglang.server_utils import SGLangServer  # noqa: E402
+from flexflow_sglang.tools.server_utils import SGLangServer  # noqa: E402
 
 WORDS = ("the cache radix tree prefix token server model request page block evict hit miss node key value "
          "batch decode prefill alpha beta gamma delta one two three four five").split()
@@ -130,7 +130,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     if args.model is None:
-        from flexflow_sglang.cpu_support.tiny_model import make_tiny_model
+        from flexflow_sglang.tools.cpu_support.tiny_model import make_tiny_model
         args.model = make_tiny_model(os.path.join(args.out, "tiny"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()

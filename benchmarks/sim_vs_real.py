@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import asdict
 
-from flexflow_sglang.sim import hosts3
+from flexflow_sglang.tools.sim import hosts3
 
 
 def main(argv=None) -> int:

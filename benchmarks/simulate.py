@@ -6,7 +6,7 @@
 
 import sys
 
-from flexflow_sglang.sim.run import main
+from flexflow_sglang.tools.sim.study import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,9 +24,9 @@ import time
 from dataclasses import asdict
 
 from flexflow_sglang.selector import SelectorConfig
-from flexflow_sglang.sim.report import geomean
-from flexflow_sglang.sim.runner import run_policy, summarise
-from flexflow_sglang.sim.scenarios import LOADS, PAYLOADS_MIB, Scenario
+from flexflow_sglang.tools.sim.report import geomean
+from flexflow_sglang.tools.sim.scenario_runner import run_policy, summarise
+from flexflow_sglang.tools.sim.scenarios import LOADS, PAYLOADS_MIB, Scenario
 
 GRID = {
     "w_bandwidth": [0.25, 0.5, 1.0, 2.0, 4.0],

@@ -25,7 +25,7 @@ trap cleanup EXIT
 docker run -d --name "$NAME" --gpus all --ipc=host -p "127.0.0.1:$PORT:30000" "${MOUNT[@]}" \
   -e FLEXFLOW_CONFIG="$CONFIG" "$IMAGE" bash -c "
     set -e
-    if [ ! -e '$MODEL/config.json' ]; then python3 -m flexflow_sglang.cpu_support.tiny_model '$MODEL'; fi
+    if [ ! -e '$MODEL/config.json' ]; then python3 -m flexflow_sglang.tools.cpu_support.tiny_model '$MODEL'; fi
     exec python3 -m sglang.launch_server --model-path '$MODEL' --host 0.0.0.0 --port 30000 \
       --radix-cache-backend flexflow --enable-metrics"
 

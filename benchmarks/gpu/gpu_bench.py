@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 
 def step_host_tier(out_dir: str, dry: bool) -> dict:
-    from flexflow_sglang.bench.host_tier import run
+    from flexflow_sglang.tools.bench.host_tier_bench import run
     device = "cpu" if dry or not torch.cuda.is_available() else "cuda"
     tokens, layers = (256, 2) if dry else (16384, 32)
     res = run(num_tokens=tokens, layers=layers, heads=8, head_dim=128, page_size=16, repeats=2 if dry else 10,
@@ -141,8 +141,8 @@ def step_peer(out_dir: str, dry: bool) -> dict:
 
 def step_verify(out_dir: str, dry: bool) -> dict:
     """Plain server baseline vs flexflow server test phase on the tiny model (GPU when present)."""
-    from flexflow_sglang.cpu_support.tiny_model import make_tiny_model
-    from flexflow_sglang.server_utils import SGLangServer
+    from flexflow_sglang.tools.cpu_support.tiny_model import make_tiny_model
+    from flexflow_sglang.tools.server_utils import SGLangServer
     prompts = os.path.join(ROOT, "flexflow_sglang", "data", "prompts.jsonl")
     if dry:
         return {"skipped": "dry run: would build the tiny model, run verify_outputs baseline on a plain server and "
@@ -157,7 +157,7 @@ def step_verify(out_dir: str, dry: bool) -> dict:
             phase = ["--phase", "baseline", "--out", base] if name == "plain" else \
                 ["--phase", "test", "--baseline", base]
             import subprocess
-            p = subprocess.run([sys.executable, "-m", "flexflow_sglang.verify_outputs", "--no-progress", "--url",
+            p = subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.verify_outputs", "--no-progress", "--url",
                                 srv.url, "--prompts", prompts, *phase], capture_output=True, text=True, timeout=200)
             res[name] = {"rc": p.returncode, "last_line": (p.stdout.strip().splitlines() or [""])[-1],
                          "startup_s": srv.startup_s}

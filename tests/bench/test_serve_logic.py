@@ -1,5 +1,5 @@
 """Pure logic of `flexflow bench serve` (the servers themselves are exercised in tests/server)."""
-from flexflow_sglang.bench.serve import make_workload, summarize
+from flexflow_sglang.tools.bench.serve import make_workload, summarize
 
 
 def test_workload_is_multi_turn_with_shared_prefix():

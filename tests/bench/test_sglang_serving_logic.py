@@ -2,8 +2,8 @@
 
 import pytest
 
-from flexflow_sglang.bench import kv_bytes_per_token_of
-from flexflow_sglang.bench import sglang_serving as ss
+from flexflow_sglang.tools.bench import kv_bytes_per_token_of
+from flexflow_sglang.tools.bench import sglang_serving as ss
 
 
 def test_prefill_tokens_counts_only_lines_after_the_offset(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexflow_sglang.cpu_support import tiny_model as tm
+from flexflow_sglang.tools.cpu_support import tiny_model as tm
 
 
 def test_kv128k_preset_has_an_8b_models_kv_per_token():
@@ -18,7 +18,7 @@ def test_kv128k_preset_has_an_8b_models_kv_per_token():
 
 
 def test_mode_configs_and_ratios():
-    from flexflow_sglang.bench import stall
+    from flexflow_sglang.tools.bench import stall
     from flexflow_sglang.config import config_from_dict
     cfgs = {m: config_from_dict(stall.mode_config(m, host_tokens=512, storage_path="/tmp/x", peer="10.0.0.2:7400"),
                                 "<t>") for m in stall.MODES}
@@ -36,12 +36,12 @@ def test_mode_configs_and_ratios():
 
 
 def test_cli_lists_stall(capsys):
-    from flexflow_sglang.bench import stall
+    from flexflow_sglang.tools.bench import stall
     with pytest.raises(SystemExit):
         stall.main(["--streams", "0"])
     assert "--streams must be positive" in capsys.readouterr().err
 
 
 def test_off_mode_host_tier_holds_the_background():
-    from flexflow_sglang.bench import stall
+    from flexflow_sglang.tools.bench import stall
     assert stall.off_host_tokens(2, 8, 256) == 2 * 2 * 8 * 272 and stall.off_host_tokens(1, 1, 8) == 1024

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from flexflow_sglang.cli.main import main, parse_bytes
+from flexflow_sglang.tools.cli.main import main, parse_bytes
 
 
 def run(capsys, *argv):
@@ -59,7 +59,7 @@ def test_demo_json(capsys):
 
 
 def test_console_script_version():
-    out = subprocess.run([sys.executable, "-m", "flexflow_sglang.cli.main", "--version"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.cli.main", "--version"], capture_output=True,
                          text=True, check=True).stdout
     assert "selector core:" in out
 

@@ -6,7 +6,7 @@ pytest.importorskip("torch")
 
 
 def test_bench_runs_both_modes():
-    from flexflow_sglang.bench.host_tier import run
+    from flexflow_sglang.tools.bench.host_tier_bench import run
 
     res = run(num_tokens=256, layers=2, heads=2, head_dim=16, dtype="bfloat16", page_size=4, repeats=2,
               progress=False)
@@ -20,7 +20,7 @@ def test_bench_runs_both_modes():
 
 
 def test_bench_rejects_bad_args():
-    from flexflow_sglang.bench.host_tier import run
+    from flexflow_sglang.tools.bench.host_tier_bench import run
 
     with pytest.raises(ValueError):
         run(num_tokens=2, page_size=4, progress=False)

@@ -95,7 +95,7 @@ def test_no_sums_and_bad_indices():
 
 
 def test_bench_kernels_small():
-    from flexflow_sglang.bench.host_tier import kernel_run
+    from flexflow_sglang.tools.bench.host_tier_bench import kernel_run
     res = kernel_run(num_tokens=64, layers=2, heads=2, head_dim=16, page_sizes=(1, 16), repeats=1, progress=False)
     assert res["kernels_compiled"] and set(res["page_sizes"]) == {"1", "16"}
     for m in res["page_sizes"].values():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flexflow_sglang.bench.contention.netlab import NetLab, available, list_namespaces, sweep_stale
+from flexflow_sglang.tools.bench.contention.netlab import NetLab, available, list_namespaces, sweep_stale
 
 MiB = 1 << 20
 
@@ -22,7 +22,7 @@ def _lab_skip_reason():
 
 
 def _nixl_skip_reason():
-    from flexflow_sglang.bench.contention.lab import nixl_available
+    from flexflow_sglang.tools.bench.contention.lab import nixl_available
     ok, why = nixl_available()
     return None if ok else why
 
@@ -59,7 +59,7 @@ def test_selector_routes_around_congested_direct_link(tmp_path):
     why = _lab_skip_reason() or _nixl_skip_reason()
     if why:
         pytest.skip(f"contention lab: {why}")
-    from flexflow_sglang.bench.contention.lab import ContentionLab
+    from flexflow_sglang.tools.bench.contention.lab import ContentionLab
     n = 16 * MiB
     with ContentionLab(max_bytes=n, log_dir=str(tmp_path / "logs")) as lab:
         prefix = lab.net.prefix
@@ -93,7 +93,7 @@ def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
     why = _lab_skip_reason() or _nixl_skip_reason()
     if why:
         pytest.skip(f"contention lab: {why}")
-    from flexflow_sglang.bench.contention.lab import ContentionLab
+    from flexflow_sglang.tools.bench.contention.lab import ContentionLab
     n = 16 * MiB
 
     def phase(lab, kind, seconds=3.0, **bg):

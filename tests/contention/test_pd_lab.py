@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from flexflow_sglang.bench.contention.netlab import available, list_namespaces
+from flexflow_sglang.tools.bench.contention.netlab import available, list_namespaces
 
 
 def _skip_reason():
     ok, why = available()
     if not ok:
         return f"network namespaces: {why}"
-    from flexflow_sglang.bench.contention.lab import nixl_available
+    from flexflow_sglang.tools.bench.contention.lab import nixl_available
     ok, why = nixl_available()
     return None if ok else f"NIXL: {why}"
 
@@ -29,7 +29,7 @@ def test_pd_lab_routes_kv_off_the_congested_rail(tmp_path):
     if why:
         pytest.skip(why)
     out = tmp_path / "pd"
-    p = subprocess.Popen([sys.executable, "-m", "flexflow_sglang.bench.pd_lab", "--requests", "3", "--loads", "0,85",
+    p = subprocess.Popen([sys.executable, "-m", "flexflow_sglang.tools.bench.pd_lab", "--requests", "3", "--loads", "0,85",
                           "--policies", "first_rail,adaptive", "--words", "400", "--warmup", "1", "--out", str(out),
                           "--no-plot"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexflow_sglang.bench.contention.node import Leg, rebalance
+from flexflow_sglang.tools.bench.contention.node import Leg, rebalance
 
 MiB = 1 << 20
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from flexflow_sglang import ConfigError, load_config
-from flexflow_sglang.cli.main import main as flexflow
+from flexflow_sglang.tools.cli.main import main as flexflow
 
 from tier_helpers import REPO, requires_nixl, tier_env
 
@@ -135,7 +135,7 @@ def test_port_in_use_is_one_line(tmp_path):
     s.listen(1)
     port = s.getsockname()[1]
     try:
-        r = subprocess.run([sys.executable, "-m", "flexflow_sglang.cli.main", "tier-server", "--listen",
+        r = subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.cli.main", "tier-server", "--listen",
                             f"127.0.0.1:{port}", "--capacity-gb", "0.01"], capture_output=True, text=True,
                            timeout=60, cwd=REPO, env=tier_env({"FLEXFLOW_CONFIG": ""}))
     finally:

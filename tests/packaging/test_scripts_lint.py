@@ -62,8 +62,8 @@ def test_wheel_carries_core_configs_and_plugin(tmp_path):
     (whl,) = tmp_path.glob("flexflow_sglang-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     assert any(n.startswith("flexflow_sglang/_selector_core") and n.endswith(".so") for n in names)
-    for need in ("flexflow_sglang/configs/default.yaml", "flexflow_sglang/data/prompts.jsonl",
-                 "flexflow_sglang/cpu_support/sgl_kernel_standin/sgl_kernel/__init__.py"):
+    for need in ("flexflow_sglang/configs/default.yaml", "flexflow_sglang/tools/data/prompts.jsonl",
+                 "flexflow_sglang/tools/cpu_support/sgl_kernel_standin/sgl_kernel/__init__.py"):
         assert need in names, need
     ep = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(whl).read(ep).decode()

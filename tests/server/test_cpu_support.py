@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from flexflow_sglang import cpu_support
-from flexflow_sglang.cpu_support import STANDIN_DIR, cpu_server_env
-from flexflow_sglang.cpu_support import patch_torchvision as ptv
+from flexflow_sglang.tools import cpu_support
+from flexflow_sglang.tools.cpu_support import STANDIN_DIR, cpu_server_env
+from flexflow_sglang.tools.cpu_support import patch_torchvision as ptv
 
 from server_helpers import repo_env
 
@@ -223,7 +223,7 @@ def test_patch_file_idempotent_on_copy_of_installed_file(tmp_path):
 def test_patch_cli_on_file_is_idempotent(tmp_path):
     target = tmp_path / "_meta_registrations.py"
     target.write_text(ORIGINAL_SNIPPET)
-    cmd = [sys.executable, "-m", "flexflow_sglang.cpu_support.patch_torchvision", "--file", str(target)]
+    cmd = [sys.executable, "-m", "flexflow_sglang.tools.cpu_support.patch_torchvision", "--file", str(target)]
     first = subprocess.run(cmd + ["--check"], env=repo_env(), capture_output=True, text=True)
     assert first.returncode == 1 and "need the guard" in first.stdout
     done = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True)

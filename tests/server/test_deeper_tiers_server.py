@@ -78,7 +78,7 @@ def test_storage_tier_survives_restart(plain_baseline, tiny_model, start_server,
 def _start_tier_server(tmp_path):
     ready = tmp_path / "tier-ready.json"
     log = open(tmp_path / "tier-server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "flexflow_sglang.cli.main", "tier-server", "--listen",
+    proc = subprocess.Popen([sys.executable, "-m", "flexflow_sglang.tools.cli.main", "tier-server", "--listen",
                              "127.0.0.1:0", "--capacity-gb", "0.25", "--ready-file", str(ready)],
                             stdout=log, stderr=subprocess.STDOUT, env=repo_env(), start_new_session=True)
     deadline = time.time() + 60

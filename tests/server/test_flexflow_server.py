@@ -2,7 +2,7 @@
 plain server's, and a repeat after /flush_cache is served from the host tier.
 
 A plain server with the same server arguments records the baseline with `python -m
-flexflow_sglang.verify_outputs --phase baseline`; each flexflow configuration then runs `--phase test`
+flexflow_sglang.tools.verify_outputs --phase baseline`; each flexflow configuration then runs `--phase test`
 (R1 fresh, R2 after /flush_cache) against it:
 page size 1, page size 4 with chunked prefill small enough to split long prompts, TP=2 (gloo, one
 core per rank), and several concurrent clients with a host tier smaller than the working set.
@@ -64,7 +64,7 @@ def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_se
 def test_bad_config_fails_at_start_with_one_message(tiny_model, sglang_ready, tmp_path):
     """A FLEXFLOW_CONFIG with an out-of-range value stops the server at start-up, and its log names
     the file, the key, the value and what is allowed."""
-    from flexflow_sglang.server_utils import ServerStartError, SGLangServer
+    from flexflow_sglang.tools.server_utils import ServerStartError, SGLangServer
     bad = tmp_path / "bad.yaml"
     bad.write_text("selector:\n  nvlink_util_threshold: 1.5\n")
     log = tmp_path / "bad-server.log"

@@ -2,7 +2,7 @@
 SGLANG_CPU_OMP_THREADS_BIND): pipeline parallelism served by FlexFlowRadixCache on every stage,
 and one shared host tier per node for data-parallel ranks and co-located servers.
 
-Each case runs the project's prompt set R1 / flush / R2 (`python -m flexflow_sglang.verify_outputs
+Each case runs the project's prompt set R1 / flush / R2 (`python -m flexflow_sglang.tools.verify_outputs
 --phase test`) against the baseline of a plain server with the same flags: every output equal
 (`Total mismatches: 0`) and R2 served from the host tier for at least 80 % of all prompt tokens."""
 
@@ -74,7 +74,7 @@ def wait_gone(paths, timeout=30.0):
 
 
 def scheduler_pids(srv):
-    from flexflow_sglang.server_utils import _live_group_members
+    from flexflow_sglang.tools.server_utils import _live_group_members
     out = []
     for pid in _live_group_members(srv.pid):
         try:
@@ -92,7 +92,7 @@ def test_data_parallel_and_colocated_servers_share_one_host_tier(plain_baselines
     attaches to the same segment: its first request of a prefix the DP server computed is a host
     hit. Killing that server (SIGKILL) in the middle of a write burst leaves the DP server serving
     with 0 mismatches; a restarted one attaches again; after all exit nothing stays in /dev/shm."""
-    from flexflow_sglang.server_utils import generate
+    from flexflow_sglang.tools.server_utils import generate
     baseline = plain_baselines(dp_size=2)
     cfg = shared_config(tmp_path, "dp2-shared")
     dp = start_server(tiny_model, name="flexflow-dp2", radix_cache_backend="flexflow", dp_size=2,

@@ -22,7 +22,7 @@ PD_ENV = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error"}
 
 
 def _start_pd(start_server, tiny_model, cfg, bootstrap_port, trace=None):
-    from flexflow_sglang.server_utils import find_free_port  # noqa: F401
+    from flexflow_sglang.tools.server_utils import find_free_port  # noqa: F401
     env = dict(PD_ENV, **({"FLEXFLOW_PD_TRACE": trace} if trace else {}))
     prefill = start_server(tiny_model, name="pd-prefill", radix_cache_backend="flexflow", flexflow_config=cfg,
                            max_total_tokens=MAX_TOTAL_TOKENS, env=env, timeout=420,
@@ -44,7 +44,7 @@ def nixl_ok():
 def test_pd_outputs_identical_rails_used_and_prefill_host_hits(nixl_ok, plain_baseline, tiny_model, start_server,
                                                               tmp_path):
     from flexflow_sglang.pd.stats import load_trace
-    from flexflow_sglang.server_utils import find_free_port
+    from flexflow_sglang.tools.server_utils import find_free_port
 
     cfg = write_config(tmp_path, "pd", pd={"enabled": True, "policy": "adaptive", "rails": ["lo", "lo"]})
     trace = str(tmp_path / "pd-trace.jsonl")
@@ -81,7 +81,7 @@ def test_pd_outputs_identical_rails_used_and_prefill_host_hits(nixl_ok, plain_ba
 def test_pd_primary_policy_and_routing_off(nixl_ok, plain_baseline, tiny_model, start_server, tmp_path):
     """pd.policy primary keeps SGLang's own agent (only the host-memory registration is FlexFlow's):
     outputs still byte-equal, and every chunk is accounted to SGLang's agent."""
-    from flexflow_sglang.server_utils import find_free_port
+    from flexflow_sglang.tools.server_utils import find_free_port
 
     cfg = write_config(tmp_path, "pd-primary", pd={"enabled": True, "policy": "primary", "rails": ["lo"]})
     bport = find_free_port()

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from flexflow_sglang import verify_outputs as vo
-from flexflow_sglang.server_utils import flush_cache, generate, model_info
+from flexflow_sglang.tools import verify_outputs as vo
+from flexflow_sglang.tools.server_utils import flush_cache, generate, model_info
 
 from server_helpers import PROMPTS_FILE, repo_env
 
@@ -30,7 +30,7 @@ def plain_server(start_server_module, tiny_model):
 
 def _verify(url, *args):
     proc = subprocess.run(
-        [sys.executable, "-m", "flexflow_sglang.verify_outputs", "--url", url, "--no-progress", *args],
+        [sys.executable, "-m", "flexflow_sglang.tools.verify_outputs", "--url", url, "--no-progress", *args],
         env=repo_env(), capture_output=True, text=True, timeout=600)
     return proc
 

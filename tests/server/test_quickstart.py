@@ -20,7 +20,7 @@ def test_quickstart_chats_and_shows_a_host_tier_hit(real_model, sglang_ready, tm
     env.pop("FLEXFLOW_CONFIG", None)
     if os.path.basename(real_model) != "SmolLM2-135M-Instruct":
         pytest.skip(f"real model directory {real_model} is not under its preset name")
-    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.cli.main", "quickstart", "--workdir", str(tmp_path)],
+    p = subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.cli.main", "quickstart", "--workdir", str(tmp_path)],
                        capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "OK: the shared history came from the host tier" in p.stdout

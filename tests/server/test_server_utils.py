@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from flexflow_sglang.cpu_support import STANDIN_DIR
-from flexflow_sglang.server_utils import SGLangServer, ServerStartError, find_free_port
+from flexflow_sglang.tools.cpu_support import STANDIN_DIR
+from flexflow_sglang.tools.server_utils import SGLangServer, ServerStartError, find_free_port
 
 FAKE_SERVER = textwrap.dedent('''
     import http.server, json, os, signal, subprocess, sys, time

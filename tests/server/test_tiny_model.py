@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from flexflow_sglang.cpu_support import tiny_model as tm
+from flexflow_sglang.tools.cpu_support import tiny_model as tm
 
 from server_helpers import repo_env
 
@@ -72,7 +72,7 @@ def test_invalid_dimensions_rejected(tmp_path):
 def test_cli_presets_and_skip(tmp_path):
     assert tm.PRESETS["bench"] == dict(layers=4, hidden=512, intermediate=4096, heads=8, kv_heads=4)
     d = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "flexflow_sglang.cpu_support.tiny_model", str(d),
+    cmd = [sys.executable, "-m", "flexflow_sglang.tools.cpu_support.tiny_model", str(d),
            "--layers", "1", "--hidden", "32", "--intermediate", "64", "--heads", "2", "--kv-heads", "1"]
     p1 = subprocess.run(cmd, env=repo_env(), capture_output=True, text=True, timeout=300)
     assert p1.returncode == 0, p1.stderr

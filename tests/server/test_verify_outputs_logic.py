@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flexflow_sglang import verify_outputs as vo
+from flexflow_sglang.tools import verify_outputs as vo
 
 from server_helpers import PROMPTS_FILE, REPO_ROOT, repo_env
 
@@ -122,19 +122,19 @@ def test_bundled_prompt_set_is_generated_and_well_formed(tmp_path):
     assert len(fam_a) == 3 and common >= 1000  # long shared prefix
     assert max(len(p["text"].split()) for p in prompts) < 3000  # ~1.08 tokens per word
     out = tmp_path / "regen.jsonl"
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "flexflow_sglang/data/make_prompts.py"), str(out)],
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "flexflow_sglang/tools/data/make_prompts.py"), str(out)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes() == PROMPTS_FILE.read_bytes()  # committed file == deterministic output
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "flexflow_sglang.verify_outputs", *args],
+    return subprocess.run([sys.executable, "-m", "flexflow_sglang.tools.verify_outputs", *args],
                           env=repo_env(), capture_output=True, text=True, timeout=120)
 
 
 def test_cli_unreachable_server_is_a_clear_error(tmp_path):
-    from flexflow_sglang.server_utils import find_free_port
+    from flexflow_sglang.tools.server_utils import find_free_port
 
     url = f"http://127.0.0.1:{find_free_port()}"
     p = _cli("--phase", "baseline", "--url", url, "--prompts", str(PROMPTS_FILE), "--out", str(tmp_path / "b.json"))

@@ -6,8 +6,8 @@ import pytest
 
 from flexflow_sglang.monitor import node_agent
 from flexflow_sglang.selector import TransferRequest
-from flexflow_sglang.sim.engine import GB, BgFlow, BgGroup, Network, Plan, SimParams, Simulator, SubPlan
-from flexflow_sglang.sim.monitor import SimMonitor
+from flexflow_sglang.tools.sim.engine import GB, BgFlow, BgGroup, Network, Plan, SimParams, Simulator, SubPlan
+from flexflow_sglang.tools.sim.sim_agent import SimMonitor
 from flexflow_sglang.topology.graph import LinkType, NodeKind, PathType, Topology
 
 

@@ -1,4 +1,4 @@
-"""Sim vs real: the three-namespace lab of docs/contention.md (flexflow_sglang/sim/hosts3.py)."""
+"""Sim vs real: the three-namespace lab of docs/contention.md (flexflow_sglang/tools/sim/hosts3.py)."""
 
 import json
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 
 from flexflow_sglang.selector import TransferRequest
-from flexflow_sglang.sim import hosts3
-from flexflow_sglang.sim.engine import GB, BgFlow, Network, Plan, Simulator, SubPlan
-from flexflow_sglang.sim.monitor import SimMonitor
+from flexflow_sglang.tools.sim import hosts3
+from flexflow_sglang.tools.sim.engine import GB, BgFlow, Network, Plan, Simulator, SubPlan
+from flexflow_sglang.tools.sim.sim_agent import SimMonitor
 from flexflow_sglang.topology import make_mock_hosts
 from flexflow_sglang.topology.graph import PathType
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from flexflow_sglang.sim.maxmin import max_min_rates
+from flexflow_sglang.tools.sim.maxmin import max_min_rates
 
 INF = math.inf
 

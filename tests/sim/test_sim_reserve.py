@@ -4,10 +4,10 @@ arrives while an earlier one still fills its links does not pile onto the same l
 import pytest
 
 from flexflow_sglang.selector import PathSelector, SelectorConfig, TransferRequest
-from flexflow_sglang.sim.engine import Network, Simulator
-from flexflow_sglang.sim.monitor import SimMonitor
-from flexflow_sglang.sim.policies import SelectorPolicy
-from flexflow_sglang.sim.scenarios import thresholds
+from flexflow_sglang.tools.sim.engine import Network, Simulator
+from flexflow_sglang.tools.sim.sim_agent import SimMonitor
+from flexflow_sglang.tools.sim.policies import SelectorPolicy
+from flexflow_sglang.tools.sim.scenarios import thresholds
 from flexflow_sglang.topology import make_mock
 
 

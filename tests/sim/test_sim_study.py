@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from flexflow_sglang.sim import run as sim_run
-from flexflow_sglang.sim.runner import run_policy, run_scenario, summarise
-from flexflow_sglang.sim.scenarios import MACHINES, Scenario, build_requests
+from flexflow_sglang.tools.sim import study as sim_run
+from flexflow_sglang.tools.sim.scenario_runner import run_policy, run_scenario, summarise
+from flexflow_sglang.tools.sim.scenarios import MACHINES, Scenario, build_requests
 
 
 @pytest.fixture(scope="module")

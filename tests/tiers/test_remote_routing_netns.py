@@ -392,7 +392,7 @@ CLIENT = textwrap.dedent(r"""
 
 
 def _netns_skip():
-    from flexflow_sglang.bench.contention import netlab
+    from flexflow_sglang.tools.bench.contention import netlab
     from flexflow_sglang.tiers.base import load_nixl
     ok, why = netlab.available()
     if not ok:
@@ -430,7 +430,7 @@ def test_netns_congested_direct_link_is_routed_through_n1(tmp_path):
     why = _netns_skip()
     if why:
         pytest.skip(why)
-    from flexflow_sglang.bench.contention.netlab import NetLab
+    from flexflow_sglang.tools.bench.contention.netlab import NetLab
     port, udp_port, n, page = 7300, 7000, 64, 256 << 10
     env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_WARN_UNUSED_ENV_VARS": "n",
            "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -484,7 +484,7 @@ def test_netns_congested_direct_link_is_routed_through_n1(tmp_path):
 
         expect("CONGEST", 45)
         # 95 % of the cap on n2 -> n0: the data direction of a get (n0's sysfs counter sees it as rx)
-        lab.spawn("n2", [sys.executable, "-m", "flexflow_sglang.bench.contention.traffic", "udp",
+        lab.spawn("n2", [sys.executable, "-m", "flexflow_sglang.tools.bench.contention.traffic", "udp",
                          lab.addr("n0", "n2"), str(udp_port), str(0.95e9)], env=env,
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
         cl.stdin.write(b"GO\n")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexflow_sglang.tiers import bench
+from flexflow_sglang.tools.bench import tier_bench as bench
 
 from tier_helpers import requires_nixl
 

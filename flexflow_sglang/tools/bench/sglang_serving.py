@@ -1,0 +1,254 @@
+"""`flexflow bench sglang-serving`: SGLang's own `bench_serving` (generated-shared-prefix) on plain
+SGLang and on the flexflow backend, side by side in one run.
+
+The workload is SGLang's: `python -m sglang.bench_serving --backend sglang --dataset-name
+generated-shared-prefix`, groups of requests that share a long system prompt, shuffled. Each backend
+gets a fresh server with the same flags and a device KV pool (`--max-total-tokens`) smaller than the
+groups' prefixes together, so plain SGLang evicts and prefills them again while flexflow loads them
+back from its host tier. Each backend runs `--passes` passes of the same dataset (same seed); pass 1
+fills the caches. Reported per pass: bench_serving's own TTFT / ITL / throughput, and the share of
+prompt tokens served from cache, read from the server's own "Prefill batch" log lines; then
+flexflow / plain ratios of the last pass. JSON, the raw bench_serving JSONL and a PNG go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from tqdm import tqdm
+
+_PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
+#: bench_serving's result keys this report keeps (its JSONL has many more)
+KEEP = ("completed", "duration", "total_input_tokens", "request_throughput", "output_throughput",
+        "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "mean_e2e_latency_ms")
+
+
+def prefill_tokens(log_path: str, offset: int) -> Dict[str, float]:
+    """New vs cached prompt tokens from the server's "Prefill batch" lines after byte `offset`."""
+    new = cached = 0
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        for line in f.read().decode(errors="replace").splitlines():
+            m = _PREFILL.search(line)
+            if m:
+                new += int(m.group(1))
+                cached += int(m.group(2))
+    total = new + cached
+    return {"new_tokens": new, "cached_tokens": cached, "cached_ratio": cached / total if total else 0.0}
+
+
+def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
+    return [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+            "--model", model, "--tokenizer", model, "--dataset-name", "generated-shared-prefix",
+            "--gsp-num-groups", str(args.gsp_num_groups), "--gsp-prompts-per-group", str(args.gsp_prompts_per_group),
+            "--gsp-system-prompt-len", str(args.gsp_system_prompt_len), "--gsp-question-len", str(args.gsp_question_len),
+            "--gsp-output-len", str(args.gsp_output_len), "--num-prompts", str(args.gsp_num_groups * args.gsp_prompts_per_group),
+            "--request-rate", "inf", "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
+            "--output-file", out_file, "--disable-tqdm"] + (["--tokenize-prompt"] if getattr(args, "tokenize_prompt", False) else [])
+
+
+def write_config(out: str, host_tokens: int, storage: bool) -> str:
+    """A FLEXFLOW_CONFIG for this run: a host tier of `host_tokens` tokens (smaller than the working
+    set makes pages spill), and with `storage` a storage tier under `out` that catches the spills."""
+    import shutil
+
+    import yaml
+    cfg = {"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+           "host_tier": {"capacity_tokens": host_tokens, "write_policy": "write_through"}}
+    if storage:
+        kv = os.path.join(out, "storage-kv")
+        shutil.rmtree(kv, ignore_errors=True)  # every backend starts from an empty storage tier
+        cfg["storage_tier"] = {"enabled": True, "path": kv, "capacity_gb": 8.0}
+    path = os.path.join(out, "flexflow.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def run_backend(name: str, model: str, args) -> dict:
+    from flexflow_sglang.tools.server_utils import SGLangServer, ServerStartError
+    from .serve import _flexflow_counters, _root_cause
+    kw = {"radix_cache_backend": "flexflow", "flexflow_config": args.config} if name == "flexflow" else {}
+    log = os.path.join(args.out, f"server-{name}.log")
+    server = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
+                          max_running_requests=max(4, args.max_concurrency),
+                          extra_args=["--enable-metrics", "--dtype", args.dtype], **kw)
+    try:
+        server.start()
+    except ServerStartError as e:
+        return {"backend": name, "ran": False, "error": _root_cause(log) or str(e).splitlines()[0][:300], "log": log}
+    passes = []
+    try:
+        for p in range(args.passes):
+            jsonl = os.path.join(args.out, f"bench_serving-{name}-pass{p + 1}.jsonl")
+            if os.path.exists(jsonl):
+                os.unlink(jsonl)  # bench_serving appends
+            offset = os.path.getsize(log)
+            before = _flexflow_counters(server.url)
+            t0 = time.perf_counter()
+            proc = subprocess.run(bench_serving_cmd(server.url, model, jsonl, args), capture_output=True, text=True,
+                                  timeout=args.pass_timeout)
+            if proc.returncode != 0 or not os.path.exists(jsonl):
+                tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+                raise RuntimeError(f"bench_serving ({name}, pass {p + 1}) exited {proc.returncode}: " + " | ".join(tail))
+            with open(jsonl) as f:
+                result = json.loads(f.read().strip().splitlines()[-1])
+            time.sleep(1.1)  # the backend exports its counters at most once a second
+            after = _flexflow_counters(server.url)
+            host = sum(v for k, v in after.items() if k.startswith("flexflow_hits_by_tier")) - \
+                sum(v for k, v in before.items() if k.startswith("flexflow_hits_by_tier"))
+            passes.append({"pass": p + 1, "wall_s": time.perf_counter() - t0, **{k: result.get(k) for k in KEEP},
+                           **prefill_tokens(log, offset), "flexflow_loaded_tokens": host})
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return {"backend": name, "ran": False, "error": str(e)[:600], "log": log, "passes": passes}
+    finally:
+        server.stop()
+    return {"backend": name, "ran": True, "startup_s": server.startup_s, "passes": passes, "log": log}
+
+
+def summarize(results: List[dict]) -> dict:
+    """flexflow / plain ratios of the last pass, median over rounds (ABAB order)."""
+    rounds: Dict[int, Dict[str, dict]] = {}
+    for r in results:
+        if r.get("ran"):
+            rounds.setdefault(r["round"], {})[r["backend"]] = r["passes"][-1]
+    pairs = [(rd["baseline"], rd["flexflow"]) for rd in rounds.values() if "baseline" in rd and "flexflow" in rd]
+    if not pairs:
+        return {}
+
+    def ratio(key):
+        xs = [f[key] / b[key] for b, f in pairs if b.get(key) and f.get(key) is not None]
+        return statistics.median(xs) if xs else None
+    return {"rounds": len(pairs), "last_pass_flexflow_over_plain": {
+        k: ratio(k) for k in ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "output_throughput",
+                              "request_throughput", "median_itl_ms")},
+        "last_pass_cached_ratio": {"plain": statistics.median(b["cached_ratio"] for b, _ in pairs),
+                                   "flexflow": statistics.median(f["cached_ratio"] for _, f in pairs)}}
+
+
+def plot(results: List[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ran = [r for r in results if r.get("ran")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, max(len(r["passes"]) for r in ran) if ran else 1)
+    for i, r in enumerate(ran):
+        for j, p in enumerate(r["passes"]):
+            x = i + j * width
+            ax.bar(x, p["median_ttft_ms"], width, color=("#888888", "#1f77b4", "#2ca02c")[j % 3],
+                   label=f"pass {p['pass']}" if i == 0 else None)
+            ax.errorbar(x, p["median_ttft_ms"], yerr=[[0], [max(0.0, p["p99_ttft_ms"] - p["median_ttft_ms"])]],
+                        fmt="none", ecolor="black", capsize=3)
+            ax.text(x, p["median_ttft_ms"], f"{p['cached_ratio']:.0%}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ran))])
+    ax.set_xticklabels([f"{r['backend']} r{r['round'] + 1}" for r in ran])
+    ax.set_ylabel("TTFT ms (bar median, whisker p99; label: cached share)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="flexflow bench sglang-serving", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench-sglang-serving")
+    ap.add_argument("--model", default="smollm2",
+                    help="'smollm2' (the real model, built if missing), a tiny_model preset (kv128k: 8B-sized KV), "
+                         "or a model dir")
+    ap.add_argument("--backends", default="baseline,flexflow")
+    ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG (default configs/cpu-dev.yaml)")
+    ap.add_argument("--gsp-num-groups", type=int, default=8)
+    ap.add_argument("--gsp-prompts-per-group", type=int, default=4)
+    ap.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    ap.add_argument("--gsp-question-len", type=int, default=64)
+    ap.add_argument("--gsp-output-len", type=int, default=8)
+    ap.add_argument("--max-concurrency", type=int, default=2)
+    ap.add_argument("--max-total-tokens", type=int, default=4096,
+                    help="device KV pool; below groups x system-prompt-len the device tree must evict")
+    ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, so that "
+                                                  "kv128k really holds 128 KB per token; auto otherwise)")
+    ap.add_argument("--host-tokens", type=int, default=None,
+                    help="write a config with a host tier of this many tokens (instead of --config)")
+    ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--pass-timeout", type=float, default=1800.0)
+    args = ap.parse_args(argv)
+    for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
+              "gsp_output_len", "max_concurrency", "max_total_tokens", "passes", "rounds"):
+        if getattr(args, k) <= 0:
+            ap.error(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    try:
+        import datasets  # noqa: F401 - bench_serving imports every dataset loader at start
+    except ImportError:
+        print("bench sglang-serving: SGLang's bench_serving needs `datasets` (pip install -c .ci/constraints-cpu.txt "
+              "datasets==5.2.0; .ci/setup-cpu.sh installs it)", file=sys.stderr)
+        return 2
+    from flexflow_sglang.config import DEFAULT_CONFIG_PATH
+    from . import resolve_model
+    from .stall import _commit
+    args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
+    os.makedirs(args.out, exist_ok=True)
+    from flexflow_sglang.tools.cpu_support.tiny_model import PRESETS
+    preset = args.model in PRESETS
+    model, model_name = resolve_model(None if preset else args.model, args.out, args.model if preset else "bench")
+    args.dtype = args.dtype or ("float32" if preset else "auto")
+    # a tiny preset's word-level tokenizer does not round-trip bench_serving's generated text (the
+    # server saw 1-token prompts): send the token ids themselves
+    args.tokenize_prompt = preset
+    if args.host_tokens is not None:
+        args.config = write_config(args.out, args.host_tokens, args.storage)
+    elif args.storage:
+        ap.error("--storage needs --host-tokens (the generated config)")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in ("baseline", "flexflow")]
+    if bad:
+        ap.error(f"--backends: unknown {bad}; valid: baseline, flexflow")
+    results = []
+    jobs = [(rnd, b) for rnd in range(args.rounds) for b in backends]
+    for rnd, name in tqdm(jobs, desc="bench sglang-serving", unit="server"):
+        if args.host_tokens is not None:
+            write_config(args.out, args.host_tokens, args.storage)  # an empty storage tier per server
+        r = run_backend(name, model, args)
+        r["round"] = rnd
+        results.append(r)
+        if not r.get("ran"):
+            print(f"{name}: {r['error']}", file=sys.stderr)
+    summary = summarize(results)
+    workload = {k: getattr(args, k) for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len",
+                                              "gsp_question_len", "gsp_output_len", "max_concurrency",
+                                              "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
+                                              "storage", "config")}
+    out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
+           "model_path": model, "workload": workload, "results": results, "summary": summary}
+    with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    plot(results, os.path.join(args.out, "bench_sglang_serving.png"),
+         f"bench_serving generated-shared-prefix, {model_name}")
+    print(f"model {model_name}, commit {out['commit']}")
+    print(f"{'backend':9} {'pass':>4} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} {'out tok/s':>10} "
+          f"{'cached':>7}")
+    for r in results:
+        for p in r.get("passes", []):
+            print(f"{r['backend']:9} {p['pass']:4d} {p['median_ttft_ms']:12.1f} {p['p99_ttft_ms']:12.1f} "
+                  f"{p['median_itl_ms']:11.1f} {p['output_throughput']:10.1f} {p['cached_ratio']:7.1%}")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {os.path.join(args.out, 'bench_sglang_serving.json')} and bench_sglang_serving.png")
+    return 0 if all(r.get("ran") for r in results) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

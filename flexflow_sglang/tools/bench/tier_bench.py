@@ -1,0 +1,245 @@
+"""Throughput of the deep tiers against their raw baselines, measured in the same run.
+
+    run(page_nbytes=1 MiB, n_pages=64, repeats=5) -> dict
+    python -m flexflow_sglang.tools.bench.tier_bench [--page-kib 1024] [--pages 64] [--repeats 5] [--json]
+    flexflow bench tiers ...
+
+* storage: StorageTier.put_many / get_many_into (NIXL POSIX, header + CRC32, temp file + rename,
+  index) against a plain Python write/read of the same bytes, one file per page, same directory.
+* remote: RemoteTier.put_many / get_many_into against one tier server process, against a raw NIXL
+  UCX WRITE / READ of the same bytes (same descriptor shape: one descriptor per page) from a
+  bare agent to a bare target process. Both over loopback, both polled with 1 ms sleeps.
+Ratios are tier / baseline (1.0 = no overhead). Each figure is the median of `repeats`; reads
+run on a warm page cache (storage) and warm connections (remote) on both sides.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import numpy as np
+
+from flexflow_sglang.tiers.base import load_nixl, make_agent, page_checksums, post_xfer, wait_xfers
+
+
+def _median_gbps(nbytes: int, times) -> float:
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _bench_storage(root: str, P: int, n: int, repeats: int) -> dict:
+    from flexflow_sglang.tiers.storage import StorageTier
+    rng = np.random.default_rng(1)
+    pages = rng.integers(0, 256, size=(n, P), dtype=np.uint8)
+    out = np.empty_like(pages)
+    tdir, pdir = os.path.join(root, "tier"), os.path.join(root, "plain")
+    os.makedirs(pdir, exist_ok=True)
+    tier = StorageTier(tdir, capacity_bytes=(n * (P + 64)) * (repeats + 2), fingerprint="bench")
+    try:
+        tw, tr, pw, pr = [], [], [], []
+        keys = None
+        for rep in range(repeats + 1):  # round 0 warms up (first-touch, agent, dentries)
+            keys = [os.urandom(32) for _ in range(n)]
+            t = time.perf_counter()
+            stored = tier.put_many(keys, pages)
+            dt = time.perf_counter() - t
+            assert stored == n, f"storage tier stored {stored}/{n}"
+            t = time.perf_counter()
+            for i in range(n):
+                with open(os.path.join(pdir, f"{rep}-{i}"), "wb") as f:
+                    f.write(memoryview(pages[i]))
+            dp = time.perf_counter() - t
+            if rep:
+                tw.append(dt)
+                pw.append(dp)
+        for rep in range(repeats + 1):
+            t = time.perf_counter()
+            got = tier.get_many_into(keys, out)
+            dt = time.perf_counter() - t
+            assert got == n and np.array_equal(out, pages), "storage tier read back wrong bytes"
+            t = time.perf_counter()
+            for i in range(n):
+                with open(os.path.join(pdir, f"{repeats}-{i}"), "rb") as f:
+                    f.readinto(memoryview(out[i]))
+            dp = time.perf_counter() - t
+            if rep:
+                tr.append(dt)
+                pr.append(dp)
+        nb = n * P
+        r = dict(storage_backend=tier.stats()["backend"],
+                 storage_write_gbps=_median_gbps(nb, tw), plain_write_gbps=_median_gbps(nb, pw),
+                 storage_read_gbps=_median_gbps(nb, tr), plain_read_gbps=_median_gbps(nb, pr))
+        r["storage_write_ratio"] = r["storage_write_gbps"] / r["plain_write_gbps"]
+        r["storage_read_ratio"] = r["storage_read_gbps"] / r["plain_read_gbps"]
+        return r
+    finally:
+        tier.close()
+
+
+def _spawn(argv, ready_timeout: float = 60.0):
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")})
+    t0 = time.monotonic()
+    while True:
+        line = p.stdout.readline()
+        if not line:
+            p.kill()
+            p.wait()
+            raise RuntimeError(f"{argv[2:4]} exited before it was ready")
+        if line.startswith((b"READY", b"{")):
+            return p, line.decode().strip()
+        if time.monotonic() - t0 > ready_timeout:
+            p.kill()
+            p.wait()
+            raise RuntimeError("helper process not ready in time")
+
+
+def _stop(p) -> None:
+    try:
+        p.terminate()
+        p.wait(timeout=5)
+    except Exception:
+        p.kill()
+        p.wait()
+
+
+def _raw_target(nbytes: int) -> int:
+    """Bare NIXL target: register a buffer, print its metadata, progress until stdin closes."""
+    import select
+    a = make_agent("ffbench-raw-target-%d" % os.getpid(), ["UCX"])
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    a.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
+    print(json.dumps({"md": a.get_agent_metadata().hex(), "addr": buf.ctypes.data}), flush=True)
+    while True:
+        a.get_new_notifs()
+        r, _, _ = select.select([sys.stdin], [], [], 0.001)
+        if r and not sys.stdin.buffer.read1(4096):
+            return 0
+
+
+def _bench_remote(P: int, n: int, repeats: int, timeout_ms: float) -> dict:
+    from flexflow_sglang.tiers.remote import RemoteTier
+    rng = np.random.default_rng(2)
+    pages = rng.integers(0, 256, size=(n, P), dtype=np.uint8)
+    out = np.empty_like(pages)
+    cap_gb = max(n * P * (repeats + 2) / (1 << 30), 0.01)
+    srv, line = _spawn([sys.executable, "-m", "flexflow_sglang.tiers.tier_server", "--capacity-gb",
+                        f"{cap_gb:.4f}", "--page-nbytes", str(P)])
+    raw, rline = _spawn([sys.executable, "-m", "flexflow_sglang.tools.bench.tier_bench", "--raw-target", str(n * P)])
+    tier = RemoteTier([line.split()[1]], timeout_ms=timeout_ms, retry_after_s=1.0)
+    agent = None
+    try:
+        tw, tr, rw, rr = [], [], [], []
+        keys = None
+        for rep in range(repeats + 1):
+            keys = [os.urandom(32) for _ in range(n)]
+            t = time.perf_counter()
+            stored = tier.put_many(keys, pages)
+            dt = time.perf_counter() - t
+            assert stored == n, f"remote tier stored {stored}/{n}: {tier.stats()}"
+            if rep:
+                tw.append(dt)
+        for rep in range(repeats + 1):
+            t = time.perf_counter()
+            got = tier.get_many_into(keys, out)
+            dt = time.perf_counter() - t
+            assert got == n and np.array_equal(out, pages), f"remote tier read {got}/{n}"
+            if rep:
+                tr.append(dt)
+        # raw NIXL UCX, same bytes, one descriptor per page
+        info = json.loads(rline)
+        agent = make_agent("ffbench-raw-%d" % os.getpid(), ["UCX"])
+        peer = agent.add_remote_agent(bytes.fromhex(info["md"]))
+        src = pages
+        reg = agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+        oreg = agent.register_memory([(out.ctypes.data, out.nbytes, 0, "")], "DRAM")
+        loc_w = agent.get_xfer_descs(np.array([(src.ctypes.data + i * P, P, 0) for i in range(n)], np.uint64), "DRAM")
+        loc_r = agent.get_xfer_descs(np.array([(out.ctypes.data + i * P, P, 0) for i in range(n)], np.uint64), "DRAM")
+        rem = agent.get_xfer_descs(np.array([(info["addr"] + i * P, P, 0) for i in range(n)], np.uint64), "DRAM")
+
+        def xfer(op, loc):
+            h = agent.initialize_xfer(op, loc, rem, peer)
+            st = post_xfer(agent, h)
+            if st == "PROC":
+                st = wait_xfers(agent, [h], time.monotonic() + 30)[0]
+            h.release()
+            assert st == "DONE", f"raw NIXL {op}: {st}"
+
+        for times, op, loc in ((rw, "WRITE", loc_w), (rr, "READ", loc_r)):
+            for rep in range(repeats + 1):
+                t = time.perf_counter()
+                xfer(op, loc)
+                if rep:
+                    times.append(time.perf_counter() - t)
+        assert np.array_equal(out, pages), "raw NIXL read back wrong bytes"
+        agent.deregister_memory(reg)
+        agent.deregister_memory(oreg)
+        nb = n * P
+        r = dict(remote_write_gbps=_median_gbps(nb, tw), raw_ucx_write_gbps=_median_gbps(nb, rw),
+                 remote_read_gbps=_median_gbps(nb, tr), raw_ucx_read_gbps=_median_gbps(nb, rr),
+                 remote_timeouts=tier.stats()["timeouts"])
+        r["remote_write_ratio"] = r["remote_write_gbps"] / r["raw_ucx_write_gbps"]
+        r["remote_read_ratio"] = r["remote_read_gbps"] / r["raw_ucx_read_gbps"]
+        return r
+    finally:
+        tier.close()
+        agent = None
+        for p in (raw, srv):
+            try:
+                p.stdin.close()
+            except Exception:
+                pass
+            _stop(p)
+
+
+def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage_dir: Optional[str] = None,
+        storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0) -> dict:
+    """Returns throughputs (GB/s, 1e9) and tier/baseline ratios; keys are listed in the module doc."""
+    res = dict(page_nbytes=page_nbytes, n_pages=n_pages, repeats=repeats, bytes=page_nbytes * n_pages,
+               ucx_tls=os.environ.get("UCX_TLS", "(default)"), nixl=load_nixl()[0] is not None)
+    probe = np.random.default_rng(3).integers(0, 256, size=(n_pages, page_nbytes), dtype=np.uint8)
+    t = time.perf_counter()
+    page_checksums(probe, n_pages)
+    res["crc32_gbps"] = probe.nbytes / (time.perf_counter() - t) / 1e9
+    del probe
+    if storage:
+        with tempfile.TemporaryDirectory(prefix="ffbench-", dir=storage_dir) as root:
+            res.update(_bench_storage(root, page_nbytes, n_pages, repeats))
+    if remote:
+        if res["nixl"]:
+            res.update(_bench_remote(page_nbytes, n_pages, repeats, timeout_ms))
+        else:
+            res["remote_skipped"] = "nixl is not importable"
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="flexflow bench tiers", description=__doc__.split("\n")[0])
+    ap.add_argument("--page-kib", type=int, default=1024)
+    ap.add_argument("--pages", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="parent directory for the storage files (default: $TMPDIR)")
+    ap.add_argument("--no-storage", action="store_true")
+    ap.add_argument("--no-remote", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--raw-target", type=int, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.raw_target is not None:
+        return _raw_target(a.raw_target)
+    r = run(a.page_kib * 1024, a.pages, a.repeats, a.dir, not a.no_storage, not a.no_remote)
+    if a.json:
+        print(json.dumps(r, indent=2))
+    else:
+        for k, v in r.items():
+            print(f"{k:24s} {v:.3f}" if isinstance(v, float) else f"{k:24s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

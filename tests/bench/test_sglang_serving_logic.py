@@ -71,3 +71,29 @@ def test_generated_config_is_valid_and_starts_with_an_empty_storage_tier(tmp_pat
     assert cfg.host_tier.capacity_tokens == 2048 and cfg.storage_tier.enabled
     assert cfg.storage_tier.path == str(tmp_path / "storage-kv") and not stale.exists()
     assert not load_config(ss.write_config(str(tmp_path), 512, storage=False)).storage_tier.enabled
+
+
+def test_shared_variant_keeps_the_users_config_and_shares_the_host_tier(tmp_path):
+    from flexflow_sglang.config import load_config
+    base = ss.write_config(str(tmp_path), 4096, storage=False)
+    shared = load_config(ss.shared_variant(base, str(tmp_path)))
+    per_rank = load_config(base)
+    assert shared.host_tier.shared and not per_rank.host_tier.shared
+    assert shared.host_tier.capacity_tokens == per_rank.host_tier.capacity_tokens == 4096
+    assert shared.host_tier.write_policy == per_rank.host_tier.write_policy
+
+
+def test_summary_compares_the_shared_tier_with_per_rank_tiers():
+    def run(backend, rnd, hit, ttft):
+        last = {"tier_hit_ratio": hit, "cached_ratio": hit + 0.05, "mean_ttft_ms": ttft, "median_ttft_ms": ttft,
+                "output_throughput": 5.0}
+        return {"backend": backend, "round": rnd, "ran": True, "passes": [{"tier_hit_ratio": 0.0}, last]}
+    res = [run("flexflow", 0, 0.2, 300.0), run("flexflow-shared", 0, 0.5, 150.0),
+           run("flexflow", 1, 0.25, 200.0), run("flexflow-shared", 1, 0.45, 200.0)]
+    s = ss.summarize(res)
+    assert "last_pass_flexflow_over_plain" not in s  # no plain server ran
+    cmp_ = s["last_pass_shared_over_per_rank"]
+    assert cmp_["rounds"] == 2
+    assert cmp_["tier_hit_ratio"] == pytest.approx((0.5 / 0.2 + 0.45 / 0.25) / 2)
+    assert cmp_["mean_ttft_ms"] == pytest.approx((0.5 + 1.0) / 2)
+    assert s["last_pass_tier_hit_ratio"] == {"per_rank": pytest.approx(0.225), "shared": pytest.approx(0.475)}

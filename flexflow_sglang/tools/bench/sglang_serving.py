@@ -6,9 +6,16 @@ generated-shared-prefix`, groups of requests that share a long system prompt, sh
 gets a fresh server with the same flags and a device KV pool (`--max-total-tokens`) smaller than the
 groups' prefixes together, so plain SGLang evicts and prefills them again while flexflow loads them
 back from its host tier. Each backend runs `--passes` passes of the same dataset (same seed); pass 1
-fills the caches. Reported per pass: bench_serving's own TTFT / ITL / throughput, and the share of
-prompt tokens served from cache, read from the server's own "Prefill batch" log lines; then
-flexflow / plain ratios of the last pass. JSON, the raw bench_serving JSONL and a PNG go to --out.
+fills the caches. Reported per pass: bench_serving's own TTFT / ITL / throughput, the share of
+prompt tokens served from cache, read from the server's own "Prefill batch" log lines, and the share
+loaded from flexflow's tiers (its /metrics); then flexflow / plain ratios of the last pass.
+
+Backends: `baseline` (plain SGLang), `flexflow` (the config as given: per-rank host tiers by
+default) and `flexflow-shared` (the same config with `host_tier.shared: true`: one host tier per
+node). With `--dp-size 2 --backends flexflow,flexflow-shared` the summary also compares the two
+flexflow variants (host-tier hit rate and mean TTFT, shared / per rank), which is where a shared
+tier matters: SGLang's DP controller sends a repeated prefix to either rank.
+JSON, the raw bench_serving JSONL and a PNG go to --out.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
             "--output-file", out_file, "--disable-tqdm"] + (["--tokenize-prompt"] if getattr(args, "tokenize_prompt", False) else [])
 
 
+BACKENDS = ("baseline", "flexflow", "flexflow-shared")
+
+
 def write_config(out: str, host_tokens: int, storage: bool) -> str:
     """A FLEXFLOW_CONFIG for this run: a host tier of `host_tokens` tokens (smaller than the working
     set makes pages spill), and with `storage` a storage tier under `out` that catches the spills."""
@@ -73,12 +83,29 @@ def write_config(out: str, host_tokens: int, storage: bool) -> str:
     return path
 
 
+def shared_variant(config_path: str, out: str) -> str:
+    """The same FLEXFLOW_CONFIG with `host_tier.shared: true` (one host tier per node), written under
+    `out`; every other key as the user gave it."""
+    import yaml
+    with open(config_path) as f:
+        cfg = yaml.safe_load(f) or {}
+    cfg.setdefault("host_tier", {})["shared"] = True
+    path = os.path.join(out, "flexflow-shared.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
 def run_backend(name: str, model: str, args) -> dict:
     from flexflow_sglang.tools.server_utils import SGLangServer, ServerStartError
     from .serve import _flexflow_counters, _root_cause
-    kw = {"radix_cache_backend": "flexflow", "flexflow_config": args.config} if name == "flexflow" else {}
+    kw = {}
+    if name != "baseline":
+        cfg = shared_variant(args.config, args.out) if name == "flexflow-shared" else args.config
+        kw = {"radix_cache_backend": "flexflow", "flexflow_config": cfg}
     log = os.path.join(args.out, f"server-{name}.log")
     server = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
+                          dp_size=args.dp_size,
                           max_running_requests=max(4, args.max_concurrency),
                           extra_args=["--enable-metrics", "--dtype", args.dtype], **kw)
     try:
@@ -105,8 +132,12 @@ def run_backend(name: str, model: str, args) -> dict:
             after = _flexflow_counters(server.url)
             host = sum(v for k, v in after.items() if k.startswith("flexflow_hits_by_tier")) - \
                 sum(v for k, v in before.items() if k.startswith("flexflow_hits_by_tier"))
+            tokens = prefill_tokens(log, offset)
+            prompt = tokens["new_tokens"] + tokens["cached_tokens"]
             passes.append({"pass": p + 1, "wall_s": time.perf_counter() - t0, **{k: result.get(k) for k in KEEP},
-                           **prefill_tokens(log, offset), "flexflow_loaded_tokens": host})
+                           **tokens, "flexflow_loaded_tokens": host,
+                           # tokens loaded from flexflow's tiers (host, or deeper through it) / prompt tokens
+                           "tier_hit_ratio": host / prompt if prompt else 0.0})
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         return {"backend": name, "ran": False, "error": str(e)[:600], "log": log, "passes": passes}
     finally:
@@ -114,24 +145,43 @@ def run_backend(name: str, model: str, args) -> dict:
     return {"backend": name, "ran": True, "startup_s": server.startup_s, "passes": passes, "log": log}
 
 
-def summarize(results: List[dict]) -> dict:
-    """flexflow / plain ratios of the last pass, median over rounds (ABAB order)."""
+def _last_pass_ratios(results: List[dict], num: str, den: str, keys) -> Optional[dict]:
+    """Median over rounds (ABAB order) of backend `num` / backend `den` on the last pass, per key."""
     rounds: Dict[int, Dict[str, dict]] = {}
     for r in results:
         if r.get("ran"):
             rounds.setdefault(r["round"], {})[r["backend"]] = r["passes"][-1]
-    pairs = [(rd["baseline"], rd["flexflow"]) for rd in rounds.values() if "baseline" in rd and "flexflow" in rd]
+    pairs = [(rd[den], rd[num]) for rd in rounds.values() if den in rd and num in rd]
     if not pairs:
-        return {}
+        return None
+    out = {"rounds": len(pairs)}
+    for k in keys:
+        xs = [n[k] / d[k] for d, n in pairs if d.get(k) and n.get(k) is not None]
+        out[k] = statistics.median(xs) if xs else None
+    out["values"] = {den: {k: statistics.median(d.get(k) or 0.0 for d, _ in pairs) for k in keys},
+                     num: {k: statistics.median(n.get(k) or 0.0 for _, n in pairs) for k in keys}}
+    return out
 
-    def ratio(key):
-        xs = [f[key] / b[key] for b, f in pairs if b.get(key) and f.get(key) is not None]
-        return statistics.median(xs) if xs else None
-    return {"rounds": len(pairs), "last_pass_flexflow_over_plain": {
-        k: ratio(k) for k in ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "output_throughput",
-                              "request_throughput", "median_itl_ms")},
-        "last_pass_cached_ratio": {"plain": statistics.median(b["cached_ratio"] for b, _ in pairs),
-                                   "flexflow": statistics.median(f["cached_ratio"] for _, f in pairs)}}
+
+def summarize(results: List[dict]) -> dict:
+    """flexflow / plain ratios of the last pass and, when both ran, shared / per-rank host tier."""
+    out: dict = {}
+    plain = _last_pass_ratios(results, "flexflow", "baseline",
+                              ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "output_throughput",
+                               "request_throughput", "median_itl_ms", "cached_ratio"))
+    if plain:
+        out["rounds"] = plain["rounds"]
+        out["last_pass_flexflow_over_plain"] = {k: v for k, v in plain.items() if k not in ("rounds", "values")}
+        out["last_pass_cached_ratio"] = {"plain": plain["values"]["baseline"]["cached_ratio"],
+                                         "flexflow": plain["values"]["flexflow"]["cached_ratio"]}
+    shared = _last_pass_ratios(results, "flexflow-shared", "flexflow",
+                               ("tier_hit_ratio", "cached_ratio", "mean_ttft_ms", "median_ttft_ms",
+                                "output_throughput"))
+    if shared:
+        out["last_pass_shared_over_per_rank"] = {k: v for k, v in shared.items() if k != "values"}
+        out["last_pass_tier_hit_ratio"] = {"per_rank": shared["values"]["flexflow"]["tier_hit_ratio"],
+                                           "shared": shared["values"]["flexflow-shared"]["tier_hit_ratio"]}
+    return out
 
 
 def plot(results: List[dict], path: str, title: str) -> None:
@@ -166,7 +216,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model", default="smollm2",
                     help="'smollm2' (the real model, built if missing), a tiny_model preset (kv128k: 8B-sized KV), "
                          "or a model dir")
-    ap.add_argument("--backends", default="baseline,flexflow")
+    ap.add_argument("--backends", default="baseline,flexflow", help="comma list of " + ", ".join(BACKENDS))
+    ap.add_argument("--dp-size", type=int, default=1, help="SGLang --dp-size of every server (one core per rank)")
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG (default configs/cpu-dev.yaml)")
     ap.add_argument("--gsp-num-groups", type=int, default=8)
     ap.add_argument("--gsp-prompts-per-group", type=int, default=4)
@@ -188,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--pass-timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
     for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
-              "gsp_output_len", "max_concurrency", "max_total_tokens", "passes", "rounds"):
+              "gsp_output_len", "max_concurrency", "max_total_tokens", "passes", "rounds", "dp_size"):
         if getattr(args, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     try:
@@ -214,9 +265,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     elif args.storage:
         ap.error("--storage needs --host-tokens (the generated config)")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in backends if b not in ("baseline", "flexflow")]
+    bad = [b for b in backends if b not in BACKENDS]
     if bad:
-        ap.error(f"--backends: unknown {bad}; valid: baseline, flexflow")
+        ap.error(f"--backends: unknown {bad}; valid: {', '.join(BACKENDS)}")
     results = []
     jobs = [(rnd, b) for rnd in range(args.rounds) for b in backends]
     for rnd, name in tqdm(jobs, desc="bench sglang-serving", unit="server"):
@@ -231,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     workload = {k: getattr(args, k) for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len",
                                               "gsp_question_len", "gsp_output_len", "max_concurrency",
                                               "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
-                                              "storage", "config")}
+                                              "storage", "config", "dp_size")}
     out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
            "model_path": model, "workload": workload, "results": results, "summary": summary}
     with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:
@@ -239,12 +290,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     plot(results, os.path.join(args.out, "bench_sglang_serving.png"),
          f"bench_serving generated-shared-prefix, {model_name}")
     print(f"model {model_name}, commit {out['commit']}")
-    print(f"{'backend':9} {'pass':>4} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} {'out tok/s':>10} "
-          f"{'cached':>7}")
+    print(f"{'backend':15} {'pass':>4} {'TTFT p50 ms':>12} {'TTFT mean':>10} {'TTFT p99 ms':>12} {'ITL p50 ms':>11} "
+          f"{'out tok/s':>10} {'cached':>7} {'tiers':>7}")
     for r in results:
         for p in r.get("passes", []):
-            print(f"{r['backend']:9} {p['pass']:4d} {p['median_ttft_ms']:12.1f} {p['p99_ttft_ms']:12.1f} "
-                  f"{p['median_itl_ms']:11.1f} {p['output_throughput']:10.1f} {p['cached_ratio']:7.1%}")
+            print(f"{r['backend']:15} {p['pass']:4d} {p['median_ttft_ms']:12.1f} {p['mean_ttft_ms']:10.1f} "
+                  f"{p['p99_ttft_ms']:12.1f} {p['median_itl_ms']:11.1f} {p['output_throughput']:10.1f} "
+                  f"{p['cached_ratio']:7.1%} {p['tier_hit_ratio']:7.1%}")
     print(json.dumps(summary, indent=1))
     print(f"wrote {os.path.join(args.out, 'bench_sglang_serving.json')} and bench_sglang_serving.png")
     return 0 if all(r.get("ran") for r in results) else 1

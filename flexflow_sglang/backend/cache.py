@@ -122,7 +122,7 @@ class FlexFlowRadixCache(RadixCache):
         self._prom = None
         if getattr(params, "enable_metrics", False):  # SGLang's --enable-metrics: export on /metrics
             try:
-                from .prom import maybe_exporter
+                from ..monitor.prometheus import maybe_exporter
                 self._prom = maybe_exporter(True, getattr(ctx, "tp_rank", 0) if ctx is not None else 0)
             except Exception:  # noqa: BLE001 - metrics never block serving
                 logger.exception("flexflow: Prometheus exporter unavailable")

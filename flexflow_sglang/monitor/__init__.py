@@ -1,4 +1,5 @@
-"""Link-load monitoring: the NodeAgent and its counter sources (NVML, sysfs, mock)."""
+"""Link-load monitoring (the NodeAgent and its counter sources: NVML, sysfs, mock) and the export of
+flexflow's counters on SGLang's Prometheus endpoint (prometheus.py, used by backend/ and pd/)."""
 
 from .node_agent import NodeAgent
 from .sources import LinkLoadSource, NVMLSource, SysfsInfinibandSource, SysfsNetSource, make_sources

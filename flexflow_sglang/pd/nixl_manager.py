@@ -89,7 +89,7 @@ def _exporter(engine_rank):
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return None  # --enable-metrics is off: nothing would collect the gauges
     try:
-        from ..backend.prom import PromExporter
+        from ..monitor.prometheus import PromExporter
         return PromExporter({"engine_rank": str(engine_rank)}, min_interval_s=0.0, prefix="flexflow_pd")
     except Exception:
         logger.exception("flexflow PD: Prometheus exporter unavailable")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import yaml
 
@@ -106,6 +106,21 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class ExtraTierConfig:
+    """One entry of `extra_tiers`: a deep tier built by name (tiers/registry.py) after the storage
+    and remote tiers. With `factory` ("module.path:callable", imported at start) the tier is built by
+    that callable and `name` is its label; else `name` must be a registered tier."""
+    name: str
+    factory: Optional[str] = None
+    options: Dict[str, Any] = field(default_factory=dict, hash=False)  # handed to the factory as given
+    write_through: bool = True  # copy every stored page here too (else only host-tier evictions, if first)
+
+
+#: the keys of one `extra_tiers` entry (the strict loader rejects others)
+EXTRA_TIER_KEYS = ("name", "factory", "options", "write_through")
+
+
+@dataclass(frozen=True)
 class PDConfig:
     enabled: bool = False
     policy: str = "adaptive"  # adaptive | first_rail | primary
@@ -155,6 +170,8 @@ class FlexFlowConfig:
     remote_tier: RemoteTierConfig = field(default_factory=RemoteTierConfig)
     pd: PDConfig = field(default_factory=PDConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    #: deep tiers after storage_tier / remote_tier, in this order (docs/tiers.md, "Adding a tier")
+    extra_tiers: Tuple[ExtraTierConfig, ...] = ()
     selector_impl: str = "auto"
     log_level: str = "INFO"
     path: Optional[str] = None  # the file it came from (None = defaults)
@@ -173,6 +190,8 @@ class FlexFlowConfig:
             if hasattr(v, "__dataclass_fields__"):
                 v = {g.name: (list(getattr(v, g.name)) if isinstance(getattr(v, g.name), tuple)
                               else getattr(v, g.name)) for g in fields(v)}
+            elif f.name == "extra_tiers":
+                v = [{g.name: copy.deepcopy(getattr(e, g.name)) for g in fields(e)} for e in v]
             out[f.name] = v
         return out
 
@@ -248,12 +267,12 @@ def config_from_dict(data: dict, source: str = "<dict>") -> FlexFlowConfig:
     from .selector.types import SelectorConfig
     base = default_dict()
     errs = []
-    valid_top = sorted(set(_RULES) | set(_TOP_SCALARS))
+    valid_top = sorted(set(_RULES) | set(_TOP_SCALARS) | {"extra_tiers"})
     for key, val in data.items():
-        if key not in _RULES and key not in _TOP_SCALARS:
+        if key not in _RULES and key not in _TOP_SCALARS and key != "extra_tiers":
             errs.append(f"unknown key {key!r} (valid keys: {valid_top})")
             continue
-        if key in _TOP_SCALARS:
+        if key in _TOP_SCALARS or key == "extra_tiers":
             base[key] = val
             continue
         if val is None:
@@ -266,14 +285,10 @@ def config_from_dict(data: dict, source: str = "<dict>") -> FlexFlowConfig:
                 errs.append(f"unknown key '{key}.{sub}' (valid keys in {key}: {sorted(_RULES[key])})")
             else:
                 base.setdefault(key, {})[sub] = sval
-    for key, rules in _RULES.items():
-        for sub, rule in rules.items():
-            if sub not in base.get(key, {}):
-                errs.append(f"{key}.{sub} missing from {DEFAULT_CONFIG_PATH}")
-                continue
-            e = _check(*rule, base[key][sub], f"{key}.{sub}")
-            if e:
-                errs.append(e)
+    for key in _RULES:
+        errs += _section_errors(key, base.get(key, {}), f"missing from {DEFAULT_CONFIG_PATH}")
+    extra, extra_errs = _extra_tiers(base.get("extra_tiers", []))
+    errs += extra_errs
     for key, rule in _TOP_SCALARS.items():
         e = _check(*rule, base.get(key), key)
         if e:
@@ -287,7 +302,80 @@ def config_from_dict(data: dict, source: str = "<dict>") -> FlexFlowConfig:
     sections = {name: cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in base[name].items()})
                 for name, cls in _SECTION_CLASSES.items()}
     return FlexFlowConfig(selector=SelectorConfig(**base["selector"]), selector_impl=base["selector_impl"],
-                          log_level=base["log_level"], path=None if source == "<defaults>" else source, **sections)
+                          log_level=base["log_level"], extra_tiers=extra,
+                          path=None if source == "<defaults>" else source, **sections)
+
+
+def _section_errors(key: str, values: Mapping[str, Any], missing: str) -> List[str]:
+    """The value rules of section `key` over `values` (every key of the section must be there)."""
+    errs = []
+    for sub, rule in _RULES[key].items():
+        if sub not in values:
+            errs.append(f"{key}.{sub} {missing}")
+            continue
+        e = _check(*rule, values[sub], f"{key}.{sub}")
+        if e:
+            errs.append(e)
+    return errs
+
+
+def _extra_tiers(value) -> Tuple[Tuple[ExtraTierConfig, ...], List[str]]:
+    """`extra_tiers`: a list of {name, factory, options, write_through} mappings (form only: whether a
+    name is registered and a factory imports is checked when the connector builds the tier)."""
+    from .tiers.registry import is_factory_spec
+    if value is None:
+        return (), []
+    if not isinstance(value, list):
+        return (), [f"extra_tiers = {_short(value)}: must be a list of mappings "
+                    f"(keys {list(EXTRA_TIER_KEYS)})"]
+    out, errs, seen = [], [], {}
+    for i, entry in enumerate(value):
+        where = f"extra_tiers[{i}]"
+        if not isinstance(entry, dict):
+            errs.append(f"{where} = {_short(entry)}: must be a mapping with keys {list(EXTRA_TIER_KEYS)}")
+            continue
+        bad = [k for k in entry if k not in EXTRA_TIER_KEYS]
+        for k in bad:
+            errs.append(f"unknown key '{where}.{str(k)[:80]}' "
+                        f"(valid keys in an extra_tiers entry: {sorted(EXTRA_TIER_KEYS)})")
+        name, factory = entry.get("name"), entry.get("factory")
+        options = entry.get("options") or {}
+        wt = entry.get("write_through", True)
+        n0 = len(errs)
+        if not isinstance(name, str) or not name:
+            errs.append(f"{where}.name = {_short(name)}: must be a non-empty string (a registered tier, "
+                        "or the label of a tier built by `factory`)")
+        elif name in seen:
+            errs.append(f"{where}.name = {name!r}: repeats extra_tiers[{seen[name]}].name")
+        else:
+            seen[name] = i
+        if factory is not None and not is_factory_spec(factory):
+            errs.append(f"{where}.factory = {_short(factory)}: must be 'module.path:callable', "
+                        "e.g. my_pkg.tiers:make_tier")
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            errs.append(f"{where}.options = {_short(options)}: must be a mapping with string keys")
+        e = _check("bool", None, wt, f"{where}.write_through")
+        if e:
+            errs.append(e)
+        if not bad and len(errs) == n0:
+            out.append(ExtraTierConfig(name=name, factory=factory, options=copy.deepcopy(options),
+                                       write_through=wt))
+    return tuple(out), errs
+
+
+def section_from_options(key: str, options: Mapping[str, Any], where: str):
+    """The dataclass of section `key` (e.g. "storage_tier") from `options` over the section's
+    defaults, validated by the same rules as the file; ConfigError naming `where` otherwise. For
+    tiers built from a mapping (tiers/registry.py factories)."""
+    cls = _SECTION_CLASSES[key]
+    defaults = {f.name: getattr(cls(), f.name) for f in fields(cls)}
+    unknown = sorted(k for k in options if k not in defaults)
+    errs = [f"unknown option {k!r} (valid options: {sorted(defaults)})" for k in unknown]
+    values = {**defaults, **{k: v for k, v in options.items() if k in defaults}}
+    errs += _section_errors(key, values, "missing")
+    if errs:
+        raise ConfigError(f"{where}: " + "; ".join(errs))
+    return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()})
 
 
 def _check_secret(rt: dict, errs: list) -> list:

@@ -243,9 +243,10 @@ class FlexFlowRadixCache(RadixCache):
                     self.evict(EvictParams(num_tokens=short))
                 slots = alloc.alloc(n)
                 ok = slots is not None and slots.numel() == n
-            own_ok = ok = ok and self.connector.load(hit.keys, slots)
+            loaded = self.connector.load(hit.keys, slots) if ok else None
+            own_ok = ok = loaded is not None and loaded.ok
             # pages from a deeper tier: read inline now, or brought into host memory by the prefetch
-            deep_pages = self.connector.last_load_deep_pages + self._prefetched_pages(req, n) if ok else 0
+            deep_pages = loaded.deep_pages + self._prefetched_pages(req, n) if ok else 0
             if self.rank_sync.active:
                 self._m["agreements"] += 1
                 ok = self.rank_sync.agree_all(ok)

@@ -80,7 +80,7 @@ def adopt_host_pages(cache, req, up_to: int) -> int:
         return 0
     row = req.kv.req_pool_idx
     slots = cache.req_to_token_pool.req_to_token[row, first * ps:(first + found) * ps]
-    ok = conn.load(keys[:found], slots)
+    ok = conn.load(keys[:found], slots).ok
     if not ok:  # nothing was written: the request keeps its own (valid) KV for these pages
         cache._m["adopt_failures"] += 1
         logger.debug("flexflow: %d host pages not adopted for request %s (load failed)", found, req.rid)

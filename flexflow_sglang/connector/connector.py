@@ -1,7 +1,7 @@
 """FlexFlowConnector: the one object the radix cache talks to for KV outside the device pool.
 
-It owns the host tier, the deeper tiers (KVTier list, possibly empty), a PathSelector with its
-NodeAgent, and the TransferExecutor. The cache decides what to look up, load and store; the
+It owns the host tier, the deeper tiers (KVTier list, possibly empty, built by name through the
+tier registry: tiers/registry.py), a PathSelector with its NodeAgent, and the TransferExecutor. The cache decides what to look up, load and store; the
 connector moves the bytes and reports failures as results (False / a failed handle), never as
 exceptions across the scheduler loop.
 
@@ -13,23 +13,24 @@ of one page *given everything before it*, on this rank's shard of this model.
 from __future__ import annotations
 
 import hashlib
-import os
 import logging
 from array import array
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from ..config import FlexFlowConfig, build_topology, load_config
 from ..errors import ConfigError
+from ..tiers.base import KVTier
+from ..tiers.registry import TierContext, create_tier
 from ..transfer import Job, JobState, engine_from_config
 from ..transfer.legs import deep_prefix, tier_get, tier_put
 from .executors import TransferExecutor
 from .host_tier import HostTier, contiguous_runs
 from .layout import KVLayout
-from .tiers import KVTier
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,20 @@ class StoreHandle:
     ok: bool = False
     stored_pages: int = 0
     _work: Any = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What `load` returns. `ok`: every page is in the device slots (all or nothing: on a failure no
+    device slot was written). `pages` = pages asked for; of those, `host_pages` came from the host
+    tier and `deep_pages` from a deeper tier read by this load (0 unless ok). Truthy iff `ok`."""
+    ok: bool
+    pages: int = 0
+    host_pages: int = 0
+    deep_pages: int = 0
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 @dataclass(eq=False)
@@ -83,6 +98,10 @@ class FlexFlowConnector:
         from ..monitor import NodeAgent
         from ..selector import PathSelector
 
+        for t in tiers:
+            if not isinstance(t, KVTier):
+                raise TypeError(f"deeper tiers must be KVTier instances (flexflow_sglang.tiers.KVTier), "
+                                f"got {type(t).__name__}")
         self.config = config if config is not None else load_config()
         hc = self.config.host_tier
         self.layout = layout
@@ -138,7 +157,6 @@ class FlexFlowConnector:
                                      key=kkey).digest()
         self.host = self._build_host(hc, cap_pages, pin)
         self._queue: Deque[StoreHandle] = deque()
-        self.last_load_deep_pages = 0
         self._m: Dict[str, int] = {k: 0 for k in (
             "lookups", "lookup_pages_host", "lookup_pages_deep", "loads", "load_failures", "pages_loaded",
             "pages_loaded_host", "pages_loaded_deep", "stores", "store_failures", "pages_stored", "pages_deduplicated",
@@ -176,15 +194,14 @@ class FlexFlowConnector:
         server's --node) is not in the topology are reached directly."""
         local = self.config.remote_tier.local_node or self.host_node
         for tier in self.tiers:
-            route = getattr(tier, "route_with", None)
-            if route is None or getattr(tier, "_router", None) is not None:
+            if not tier.can_route or tier.routes_itself:
                 continue
             if local not in self.topology.nodes:
                 logger.warning("flexflow: remote_tier.local_node %r is not a node of topology %s; the remote "
                                "tier is not routed", local, self.topology.name)
                 continue
             try:
-                route(self.selector, local, engine=self.engine)
+                tier.route_with(self.selector, local, engine=self.engine)
             except Exception as e:  # noqa: BLE001 - unrouted still serves
                 logger.warning("flexflow: remote tier routing disabled: %s", e)
 
@@ -290,14 +307,14 @@ class FlexFlowConnector:
         self._m["lookup_pages_host"] += in_host
         return n
 
-    def load(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> bool:
+    def load(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> LoadResult:
         """Fill the device pool at `device_slots` (len(keys) * page_size page-aligned slots) with the
         pages of `keys`: all or nothing, checksums verified, complete when this returns. A failure
-        (missing page, checksum mismatch, copy error) returns False and writes no device slot."""
-        self.last_load_deep_pages = 0
+        (missing page, checksum mismatch, copy error) returns a result with ok False and writes no
+        device slot; on success it says how many pages came from the host and the deeper tiers."""
         n = len(keys)
         if n == 0:
-            return True
+            return LoadResult(True)
         self._m["loads"] += 1
         try:
             dev_pages = self._device_pages(device_slots, n)
@@ -309,36 +326,35 @@ class FlexFlowConnector:
             if deep_idx:
                 staging = self._fetch_deep([keys[i] for i in deep_idx])
                 if staging is None:
-                    return self._load_failed("page missing from every tier")
+                    return self._load_failed(n, "page missing from every tier")
             bad = self.host.first_bad_page(host_pages)
             if bad >= 0:
                 self._m["checksum_failures"] += 1
                 self.host.discard([keys[in_host[bad]]])
-                return self._load_failed(f"checksum mismatch on host page {host_pages[bad]}")
+                return self._load_failed(n, f"checksum mismatch on host page {host_pages[bad]}")
             if host_pages:
                 self.host.touch([keys[i] for i in in_host])
                 self.executor.host_to_device(self.host.words, host_pages, _pick(dev_pages, in_host, n))
                 changed = self.host.first_changed(host_pages)  # shared tier: rewritten during the copy
                 if changed >= 0:
-                    return self._load_failed(f"host page {host_pages[changed]} was replaced during the copy")
+                    return self._load_failed(n, f"host page {host_pages[changed]} was replaced during the copy")
             if deep_idx:
                 self.executor.host_to_device(staging, list(range(len(deep_idx))), _pick(dev_pages, deep_idx, n))
                 self._promote([keys[i] for i in deep_idx], staging)
         except Exception as e:  # noqa: BLE001 - reported as a miss
             logger.exception("flexflow: load of %d pages failed", n)
-            return self._load_failed(str(e))
+            return self._load_failed(n, str(e))
         nh, deep = len(host_pages), len(deep_idx)
-        self.last_load_deep_pages = deep
         self._m["pages_loaded"] += n
         self._m["pages_loaded_host"] += nh
         self._m["pages_loaded_deep"] += deep
         self._hits_by_tier["host"] += nh
-        return True
+        return LoadResult(True, n, nh, deep)
 
-    def _load_failed(self, why: str) -> bool:
+    def _load_failed(self, n: int, why: str) -> LoadResult:
         self._m["load_failures"] += 1
         logger.warning("flexflow: host load failed (%s); treated as a cache miss", why)
-        return False
+        return LoadResult(False, n)
 
     def _fetch_deep(self, keys: Sequence[bytes]) -> Optional[torch.Tensor]:
         """Pages of `keys` from the deeper tiers into a page-major staging tensor (all, or None).
@@ -659,9 +675,7 @@ class FlexFlowConnector:
         self.host.clear()
         for tier in self.tiers:
             try:
-                clear = getattr(tier, "clear", None)
-                if callable(clear):
-                    clear()
+                tier.clear()
             except Exception:  # noqa: BLE001
                 logger.exception("flexflow: clearing tier %s failed", tier.name)
 
@@ -676,10 +690,7 @@ class FlexFlowConnector:
         if self._own_agent:
             self.agent.stop()
         for tier in self.tiers:
-            try:
-                tier.close()
-            except Exception:  # noqa: BLE001
-                logger.exception("flexflow: closing tier %s failed", tier.name)
+            _close_tier(tier)
         self.host.close()
 
     @property
@@ -738,39 +749,44 @@ def _safe_stats(tier) -> dict:
 
 def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int,
                        rank_dir: str = "rank0") -> List[KVTier]:
-    """Storage and remote tiers named by the config, below the host tier.
+    """The deep tiers the config names, below the host tier, in this order: `storage_tier`,
+    `remote_tier` (with peers), then `extra_tiers`; each is built by name through the tier registry
+    (tiers/registry.py: the section or the entry's options, a TierContext with the fingerprint, page
+    size and rank directory) and gets the section's or entry's `write_through`.
 
-    The storage directory gets one subdirectory per model/layout/shard fingerprint and scheduler
-    rank, so different models and shards never share files and no two processes contend for a
-    directory lock (a restarted rank finds its own files again). A tier that
-    cannot start (directory locked by another process, NIXL missing, no peer reachable) is logged
+    A tier that cannot start (directory locked by another process, NIXL missing, no peer reachable,
+    an unknown name, a factory that fails or a name another tier already has) is logged in one line
     and left out: the server still serves, with fewer tiers."""
-    out: List[KVTier] = []
-    fp_text = repr(sorted((k, v) for k, v in fingerprint.items()))
-    fp_hash = hashlib.blake2b(fp_text.encode(), digest_size=8).hexdigest()
+    ctx = TierContext(fingerprint=dict(fingerprint), fingerprint_text=TierContext.fingerprint_text_of(fingerprint),
+                      page_nbytes=page_nbytes, rank_dir=rank_dir)
+    specs = []  # (name, options, write_through, factory)
     if cfg.storage_tier.enabled:
-        from dataclasses import replace
-        from ..tiers import storage_from_config
-        sc = replace(cfg.storage_tier, path=os.path.join(cfg.storage_tier.path, fp_hash, rank_dir))
-        try:
-            # the configured root and the fingerprint level are owner-only too (makedirs' mode
-            # covers only the leaf)
-            os.makedirs(cfg.storage_tier.path, mode=0o700, exist_ok=True)
-            os.makedirs(os.path.dirname(sc.path), mode=0o700, exist_ok=True)
-            tier = storage_from_config(sc, fingerprint=fp_text, page_nbytes=page_nbytes)
-            tier.write_through = cfg.storage_tier.write_through
-            out.append(tier)
-        except Exception as e:  # noqa: BLE001 - a tier failing to start must not stop serving
-            logger.warning("flexflow: storage tier at %s disabled: %s", sc.path, e)
+        specs.append(("storage", asdict(cfg.storage_tier), cfg.storage_tier.write_through, None))
     if cfg.remote_tier.enabled and cfg.remote_tier.peers:
-        from ..tiers import remote_from_config
+        specs.append(("remote", asdict(cfg.remote_tier), cfg.remote_tier.write_through, None))
+    specs += [(e.name, e.options, e.write_through, e.factory) for e in cfg.extra_tiers]
+    out: List[KVTier] = []
+    for name, options, write_through, factory in specs:
         try:
-            tier = remote_from_config(cfg.remote_tier)
-            tier.write_through = cfg.remote_tier.write_through
-            out.append(tier)
-        except Exception as e:  # noqa: BLE001
-            logger.warning("flexflow: remote tier (peers %s) disabled: %s", list(cfg.remote_tier.peers), e)
+            tier = create_tier(name, ctx, MappingProxyType(dict(options)), factory=factory)
+        except Exception as e:  # noqa: BLE001 - a tier failing to start must not stop serving
+            logger.warning("flexflow: deep tier %r left out, serving without it: %s", name, e)
+            continue
+        if any(t.name == tier.name for t in out):
+            logger.warning("flexflow: deep tier %r left out, serving without it: another deep tier is named "
+                           "%r (metrics and hit counts are per name)", name, tier.name)
+            _close_tier(tier)
+            continue
+        tier.write_through = write_through
+        out.append(tier)
     return out
+
+
+def _close_tier(tier: KVTier) -> None:
+    try:
+        tier.close()
+    except Exception:  # noqa: BLE001
+        logger.exception("flexflow: closing tier %s failed", tier.name)
 
 
 def _describe_tier(tier) -> str:

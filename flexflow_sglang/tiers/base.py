@@ -1,4 +1,4 @@
-"""Shared pieces of the deep KV tiers: the tier protocol, page helpers, checksums, NIXL loading.
+"""Shared pieces of the deep KV tiers: the tier interface (KVTier), page helpers, checksums, NIXL loading.
 
 A tier stores fixed-size KV pages under 32-byte keys. The connector computes the keys from the
 prefix chain plus a model/layout fingerprint; a tier never interprets them and never builds a
@@ -6,6 +6,7 @@ file name or a wire field from request content.
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import logging
 import os
@@ -14,26 +15,97 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 log = logging.getLogger("flexflow_sglang.tiers")
 
 
-@runtime_checkable
-class KVTier(Protocol):
-    """What the cache/connector calls. All methods are safe to call from several threads."""
+class KVTier(abc.ABC):
+    """A KV tier below host memory (storage, remote, or one a user registers: tiers/registry.py).
 
-    name: str  # "storage" | "remote"
-    node: str  # topology node where the bytes live
+    Units and shapes:
+      * a key is the connector's 32-byte chained page key (`bytes`, 1..64 bytes accepted): it names
+        the KV of one page *and everything before it*, so the leading pages of a key list form a
+        prefix. A tier never interprets keys and never builds a file name or wire field from them.
+      * a page is the KV of `page_size` tokens over all layers, K and V, in the connector's host
+        layout: one row of a 2-D uint8 array `[n, page_nbytes]` (a numpy array or a CPU torch tensor,
+        C-contiguous rows; `as_pages` views either as numpy without copying).
+      * counts are pages; byte counters in `stats()` are bytes.
 
-    def contains_prefix(self, keys: List[bytes]) -> int: ...
-    def put_many(self, keys: List[bytes], pages) -> int: ...
-    def get_many_into(self, keys: List[bytes], out) -> int: ...
-    def discard(self, keys: List[bytes]) -> None: ...
-    def stats(self) -> dict: ...
-    def close(self) -> None: ...
+    Implementations verify their own data (`get_many_into` counts only pages it loaded *and*
+    verified; a corrupt page ends the leading run), never raise for a miss, and are safe to call
+    from several threads (the transfer engine's workers and the scheduler thread).
+
+    The connector consults its tiers in list order after the host tier, promotes what a tier returns
+    into the host tier, spills host-tier LRU victims into the first tier, and copies freshly stored
+    pages into every tier whose `write_through` is true.
+    """
+
+    #: short tier name used in metrics, logs and the connector's hit counts ("storage", "remote", ...);
+    #: unique among a connector's tiers. `create_tier` fills in the registered name when it is empty.
+    name: str = ""
+    #: topology node where the tier's bytes live (e.g. "nvme0"): tier I/O is routed host node <-> node.
+    #: None: not in the topology (the transfer engine then moves the pages without a routed path).
+    node: Optional[str] = None
+    #: set by the connector from the config: copy every page the host tier stores here too (else the
+    #: tier only receives host-tier evictions, when it is the first deep tier)
+    write_through: bool = False
+    #: the Router of a tier that routes its own I/O (RemoteTier.route_with installs tiers/routing.py's)
+    _router: Any = None
+
+    # ------------------------------------------------------------------ required
+    @abc.abstractmethod
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading `keys` the tier holds now (pages; 0..len(keys)). A failure is 0."""
+
+    @abc.abstractmethod
+    def put_many(self, keys: Sequence[bytes], pages) -> int:
+        """Store row `pages[i]` (`page_nbytes` uint8 bytes) under `keys[i]` for i < len(keys); pages
+        already held may be skipped. Returns how many leading keys are held afterwards (pages)."""
+
+    @abc.abstractmethod
+    def get_many_into(self, keys: Sequence[bytes], out) -> int:
+        """Fill row `out[i]` (writable uint8 `[>= len(keys), page_nbytes]`) with the page of `keys[i]`;
+        returns k, the leading pages loaded *and* verified: rows `out[:k]` are valid, later rows are
+        undefined. A miss, timeout or corrupt page ends the run (never an exception for a miss)."""
+
+    @abc.abstractmethod
+    def discard(self, keys: Sequence[bytes]) -> None:
+        """Forget these keys (missing keys are ignored)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict:
+        """Counters for metrics and logs (pages held, bytes read/written in bytes, hits, misses,
+        failures, ...); the connector shows "backend", "path", "capacity_bytes" and "peers" when
+        present. Must not raise for a closed tier."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release resources (files, agents, connections). Idempotent; later calls are misses."""
+
+    # ------------------------------------------------------------------ optional, with defaults
+    def clear(self) -> None:
+        """Forget every page (the connector calls it after a weight update: the KV is stale).
+        Default: nothing, for tiers whose pages outlive the process and are shared with others."""
+
+    def route_with(self, selector, local_node: Optional[str], *, engine=None) -> bool:
+        """Route this tier's own I/O with `selector` (a PathSelector) from `local_node` (this
+        process's topology node), opening tickets on `engine` (the connector's TransferEngine).
+        Returns True when the tier now routes itself. Default: False, the tier does not route: the
+        transfer engine routes and chunks its batches (transfer/legs.py)."""
+        return False
+
+    @property
+    def can_route(self) -> bool:
+        """True when this tier's class implements `route_with`."""
+        return type(self).route_with is not KVTier.route_with
+
+    @property
+    def routes_itself(self) -> bool:
+        """True once `route_with` installed a router: the engine hands it whole batches, unchunked."""
+        return self._router is not None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import (as_pages, check_keys, make_agent, page_checksums, post_xfer, rendezvous_rank,
+from .base import (KVTier, as_pages, check_keys, make_agent, page_checksums, post_xfer, rendezvous_rank,
                    unique_agent_name, wait_xfers)
 from .trust import MAC_LEN, FrameAuth, PageMac
 from .wire import (MAX_KEYS_PER_FRAME, Frame, MsgType, WireError, int_list, pack_keys, parse_hostport, read_frame,
@@ -110,7 +110,7 @@ class _Stage:
         self.arr, self.reg, self.users = arr, reg, 0
 
 
-class RemoteTier:
+class RemoteTier(KVTier):
     name = "remote"
 
     def __init__(self, peers: Sequence[str], timeout_ms: float = 2000.0, retry_after_s: float = 10.0,

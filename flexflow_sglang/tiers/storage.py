@@ -47,7 +47,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import FlexFlowError
-from .base import (CHECKSUM_CRC32, as_pages, check_keys, fingerprint_hash, key_id, load_nixl,
+from .base import (CHECKSUM_CRC32, KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl,
                    make_agent, page_checksum, page_checksums, post_xfer, unique_agent_name, wait_xfers)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
@@ -143,7 +143,7 @@ def parse_header(raw, fp_hash: bytes, name_id: bytes, page_nbytes: Optional[int]
     return int.from_bytes(csum[:4], "little"), ""
 
 
-class StorageTier:
+class StorageTier(KVTier):
     """KVTier over a local directory. Thread-safe (one lock; NIXL calls are serialized)."""
 
     name = "storage"

@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 
 
 def routes_itself(tier) -> bool:
-    """True for a tier whose I/O is routed inside the tier (remote tier with a Router)."""
-    return getattr(tier, "_router", None) is not None
+    """True for a tier whose I/O is routed inside the tier (KVTier.routes_itself: a remote tier with
+    a Router)."""
+    return tier.routes_itself
 
 
 def tier_put(engine, tier, src_node: Optional[str], keys: Sequence[bytes], rows_u8) -> int:

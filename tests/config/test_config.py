@@ -28,6 +28,7 @@ def test_defaults_match_default_yaml():
         for f in dataclasses.fields(cls):
             v = getattr(inst, f.name)
             assert (list(v) if isinstance(v, tuple) else v) == d[section][f.name], f"{section}.{f.name}"
+    assert d["extra_tiers"] == [] and FlexFlowConfig().extra_tiers == ()
     assert load_config().to_dict() == FlexFlowConfig().to_dict()
     assert os.path.samefile(DEFAULT_CONFIG_PATH, os.path.join(ROOT, "configs", "default.yaml"))
 
@@ -69,6 +70,16 @@ def test_overlay_and_env(tmp_path, monkeypatch):
     ({"monitor": {"sample_interval_ms": 0}}, ["monitor.sample_interval_ms"]),
     ({"topology": {"source": "file"}}, ["topology.file"]),
     ({"selector": "fast"}, ["selector must be a mapping"]),
+    ({"extra_tiers": {"name": "memory"}}, ["extra_tiers", "must be a list"]),
+    ({"extra_tiers": ["memory"]}, ["extra_tiers[0]", "must be a mapping"]),
+    ({"extra_tiers": [{"name": "memory", "capacity": 3}]},
+     ["'extra_tiers[0].capacity'", "valid keys in an extra_tiers entry", "options"]),
+    ({"extra_tiers": [{"factory": "a.b:c"}]}, ["extra_tiers[0].name"]),
+    ({"extra_tiers": [{"name": "x", "factory": "a.b.c"}]}, ["extra_tiers[0].factory", "'a.b.c'", "module.path:callable"]),
+    ({"extra_tiers": [{"name": "x", "factory": "a:b"}, {"name": "x", "factory": "a:c"}]},
+     ["extra_tiers[1].name", "repeats extra_tiers[0]"]),
+    ({"extra_tiers": [{"name": "memory", "options": [1, 2]}]}, ["extra_tiers[0].options", "mapping"]),
+    ({"extra_tiers": [{"name": "memory", "write_through": "yes"}]}, ["extra_tiers[0].write_through", "true or false"]),
 ])
 def test_bad_values_one_clear_message(tmp_path, data, needles):
     p = write(tmp_path, data)
@@ -78,6 +89,17 @@ def test_bad_values_one_clear_message(tmp_path, data, needles):
     assert p in msg
     for n in needles:
         assert n in msg, msg
+
+
+def test_extra_tiers_parse_in_order(tmp_path):
+    from flexflow_sglang.config import ExtraTierConfig
+    p = write(tmp_path, {"extra_tiers": [{"name": "memory", "options": {"capacity_pages": 8}},
+                                         {"name": "mine", "factory": "my_pkg.mod:make", "write_through": False}]})
+    cfg = load_config(p)
+    assert cfg.extra_tiers == (ExtraTierConfig("memory", None, {"capacity_pages": 8}, True),
+                               ExtraTierConfig("mine", "my_pkg.mod:make", {}, False))
+    assert cfg.to_dict()["extra_tiers"][1] == {"name": "mine", "factory": "my_pkg.mod:make", "options": {},
+                                               "write_through": False}
 
 
 def test_unreadable_files(tmp_path):

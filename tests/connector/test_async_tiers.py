@@ -79,7 +79,7 @@ def test_write_through_runs_off_thread_and_pins_pages(conns):
     assert c.drain(5)
     assert c.host.pinned_pages == 0 and c.host.free_pages == 2
     assert tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8
-    rows = torch.stack([tier.pages[k] for k in a[2:]])
+    rows = torch.stack([torch.from_numpy(tier.pages[k]) for k in a[2:]])  # InMemoryTier keeps numpy rows
     host_rows = c.host.words[torch.tensor([c.host.page_of(k) for k in a[2:]])].view(torch.uint8)
     assert torch.equal(rows, host_rows)  # the tier got the bytes the host tier holds
 
@@ -162,8 +162,9 @@ def test_prefetch_brings_deep_pages_into_host(conns):
     assert c.drain(5) and h.done and h.pages == 10 and not h.failed
     assert c.lookup(a, deep=False) == 10
     dst = rand_slots(10, 1, 14)
-    assert c.load(a[:10], dst) and same(kv, dst, [(k[:10], v[:10]) for k, v in snap])
-    assert c.last_load_deep_pages == 0  # a host hit now
+    r = c.load(a[:10], dst)
+    assert r.ok and same(kv, dst, [(k[:10], v[:10]) for k, v in snap])
+    assert (r.pages, r.host_pages, r.deep_pages) == (10, 10, 0)  # a host hit now
     assert c.metrics()["prefetch_pages"] == 10
 
 

@@ -158,7 +158,8 @@ def test_load_missing_is_false_and_writes_nothing(make_conn):
     dst = rand_slots(10, 1, 7)
     snap = snapshot(kv, dst)
     assert c.lookup(keys) == 5
-    assert not c.load(keys, dst)
+    r = c.load(keys, dst)
+    assert not r and (r.ok, r.pages, r.host_pages, r.deep_pages) == (False, 10, 0, 0)  # falsy: a miss
     assert same(kv, dst, snap)
     assert c.metrics()["load_failures"] == 1
 
@@ -336,8 +337,9 @@ def test_spill_lookup_and_load_from_deeper_tier(make_conn):
     assert tier.puts == 6 and c.host.contains_prefix(a) == 0
     assert c.lookup(a) == 8  # the leading 6 pages from the deeper tier, the last 2 from host memory
     dst = rand_slots(8, 1, 26)
-    assert c.load(a, dst) and same(kv, dst, snap_a)
-    assert c.last_load_deep_pages == 6
+    r = c.load(a, dst)
+    assert r.ok and same(kv, dst, snap_a)
+    assert (r.pages, r.host_pages, r.deep_pages) == (8, 2, 6)
     assert c.drain(5)  # the promotion spilled host victims in the background
     m = c.metrics()
     assert m["hits_by_tier"]["fake"] == 6 and m["hits_by_tier"]["host"] == 2 and m["pages_spilled"] == tier.puts

@@ -10,7 +10,8 @@ cdef enum:
     PT_SPLIT = 3
     PT_STORAGE_RELAY = 4
 
-# params[] layout (see selector.py: _pack_params)
+# params[] layout: typed copies of flexflow_sglang/selector/cost_model.py's P_* (PARAM_NAMES order,
+# built by cost_model.pack_params); tests/selector/test_cost_model.py checks they are equal
 cdef enum:
     P_W_BW = 0
     P_W_Q = 1

@@ -5,7 +5,8 @@ One PairCore per (src, dst) pair holds that pair's candidate paths as flat typed
 views of the topology-wide link arrays (capacity, QoS threshold) and of the NodeAgent's live
 link state (utilisation, queue delay), which the agent updates in place: reading them never
 takes a lock. `select()` scores every candidate, filters by QoS, applies the relay and split
-margins and returns a plain tuple that Python wraps into a PathDecision.
+margins and returns a plain tuple, laid out as flexflow_sglang/selector/cost_model.py's CoreResult,
+that Python wraps into a PathDecision.
 
 Keep in lock-step with flexflow_sglang/selector/_core_py.py (same operations, same order).
 """
@@ -13,11 +14,26 @@ Keep in lock-step with flexflow_sglang/selector/_core_py.py (same operations, sa
 cimport cython
 from libc.stdlib cimport malloc, free
 
+# typed copies of the cost model's constants (flexflow_sglang/selector/cost_model.py; layout() below
+# returns them for tests/selector/test_cost_model.py, which checks they are equal)
 cdef double MIN_AVAIL_FRAC = 0.01
 cdef double TTFT_HOP_FACTOR = 4.0
 cdef double TTFT_LAT_FACTOR = 2.0
 cdef int SPLIT_TOP = 8
 cdef int MAX_SPLIT_CAP = 8
+
+
+def layout():
+    """This build's constants by name: the params indices (P_*), the path type codes (PT_*) and the
+    scoring constants, as compiled in."""
+    return {"P_W_BW": P_W_BW, "P_W_Q": P_W_Q, "P_W_HOPS": P_W_HOPS, "P_W_QOS": P_W_QOS, "P_W_LAT": P_W_LAT,
+            "P_RELAY_MARGIN": P_RELAY_MARGIN, "P_SPLIT_MARGIN": P_SPLIT_MARGIN, "P_ENABLE_SPLIT": P_ENABLE_SPLIT,
+            "P_MAX_SPLIT": P_MAX_SPLIT, "P_RELAY_CHUNK": P_RELAY_CHUNK, "P_RELAY_OVERHEAD_US": P_RELAY_OVERHEAD_US,
+            "P_NPARAMS": P_NPARAMS,
+            "PT_DIRECT": PT_DIRECT, "PT_NVLINK_RELAY": PT_NVLINK_RELAY, "PT_CROSSNODE_RELAY": PT_CROSSNODE_RELAY,
+            "PT_SPLIT": PT_SPLIT, "PT_STORAGE_RELAY": PT_STORAGE_RELAY,
+            "MIN_AVAIL_FRAC": MIN_AVAIL_FRAC, "TTFT_HOP_FACTOR": TTFT_HOP_FACTOR,
+            "TTFT_LAT_FACTOR": TTFT_LAT_FACTOR, "SPLIT_TOP": SPLIT_TOP, "MAX_SPLIT_CAP": MAX_SPLIT_CAP}
 
 
 @cython.final
@@ -238,7 +254,8 @@ cdef class PairCore:
         return cls(request, paths, self._select(<double>request.data_bytes, ttft), selector)
 
     cdef tuple _select(self, double nbytes, bint ttft):
-        """-> (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost)"""
+        """-> (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost):
+        cost_model.CoreResult's layout, built as a plain tuple (a NamedTuple costs a Python call)"""
         cdef int n = self.n_paths, p, i, j, best_dir = -1, best_ok = -1, best_all = -1, choose
         cdef int kind, reason = 0, aux_link = -1, aux_path = -1, qos_flag = 0, n_top = 0, nsel = 0
         cdef int max_split, c, best_c, t

@@ -39,6 +39,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..errors import TopologyError
+from ..selector.cost_model import MIN_AVAIL_FRAC, RELAY_CHUNK_BYTES, fixed_latency_s
 from ..topology.graph import Topology
 from .sources import LinkLoadSource, make_sources
 
@@ -158,7 +159,7 @@ class NodeAgent:
         self._last_sample_t: Optional[float] = None
         #: relay pipeline chunk used to discount relay fill from feedback; a PathSelector built on
         #: this agent sets it from its SelectorConfig.relay_chunk_bytes
-        self.relay_chunk_bytes = 4 << 20
+        self.relay_chunk_bytes = RELAY_CHUNK_BYTES
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> "NodeAgent":
@@ -381,7 +382,6 @@ class NodeAgent:
         links = list(links)
         if not links or nbytes <= 0 or seconds <= 0:
             return None
-        from ..selector.types import RELAY_OVERHEAD_US
         now = time.monotonic()
         gbps = nbytes / seconds / 1e9
         with self._lock:
@@ -394,10 +394,11 @@ class NodeAgent:
                     self._fb_q[l] = self._decayed(self._fb_q[l], self._fb_t[l], now) * 0.5 + per * 0.5
                     self._fb_t[l] = now
             # our own reservations (this leg's included) are not foreign load: judge on the rest
-            avail = [max(self._cap_bps[l] * (1.0 - self._base[l]), self._cap_bps[l] * 0.01) for l in links]
+            avail = [max(self._cap_bps[l] * (1.0 - self._base[l]), self._cap_bps[l] * MIN_AVAIL_FRAC) for l in links]
             bott = links[int(np.argmin(avail))]
-            fixed_s = sum(self.topology.links[l].latency_us for l in links) * 1e-6
-            fixed_s += relays * (min(nbytes, self.relay_chunk_bytes) / min(avail) + RELAY_OVERHEAD_US * 1e-6)
+            # the selector's model (selector/cost_model.py): link latencies + relay pipeline fill
+            fixed_s = fixed_latency_s((self.topology.links[l].latency_us for l in links), relays, nbytes,
+                                      min(avail), self.relay_chunk_bytes)
             t_net = seconds - fixed_s
             # below ~256 KiB, or when the bandwidth term is not clearly above the fixed latency, the
             # measurement says nothing reliable about bandwidth

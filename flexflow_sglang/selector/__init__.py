@@ -1,6 +1,7 @@
 """flexFlow path selection: PathSelector over a compiled scoring core (csrc/) or its Python twin."""
 
-from .selector import PathSelector, pack_params, selector_backend
+from .cost_model import pack_params
+from .selector import PathSelector, selector_backend
 from .types import PathDecision, PathType, SelectorConfig, SubPath, TransferRequest
 
 __all__ = ["PathSelector", "PathDecision", "PathType", "SelectorConfig", "SubPath", "TransferRequest",

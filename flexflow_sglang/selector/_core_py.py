@@ -1,19 +1,19 @@
 """Pure-Python twin of csrc/flexflow_sglang/_selector_core.pyx.
 
-Same operations in the same order on IEEE doubles, so it returns exactly the tuples the compiled
-core returns (tests/selector/test_twin.py checks thousands of random cases). It is the fallback when
-the extension is not built, and the reference the compiled core is measured against.
+Same operations in the same order on IEEE doubles, so it returns exactly the results the compiled
+core returns (tests/selector/test_twin.py checks thousands of random cases): laid out as
+cost_model.CoreResult, which the twin builds and the compiled core returns as a plain tuple (they
+compare equal). It is the fallback when the extension is not built, and the reference the compiled
+core is measured against.
 """
 
-MIN_AVAIL_FRAC = 0.01
-TTFT_HOP_FACTOR = 4.0
-TTFT_LAT_FACTOR = 2.0
-SPLIT_TOP = 8
-MAX_SPLIT_CAP = 8
+# the cost model's constants and the params layout: one definition, in cost_model.py (the compiled
+# core's typed copies are checked against it by tests/selector/test_cost_model.py)
+from .cost_model import (MAX_SPLIT_CAP, MIN_AVAIL_FRAC, P_ENABLE_SPLIT, P_MAX_SPLIT, P_NPARAMS,
+                         P_RELAY_CHUNK, P_RELAY_MARGIN, P_RELAY_OVERHEAD_US, P_SPLIT_MARGIN, P_W_BW, P_W_HOPS,
+                         P_W_LAT, P_W_Q, P_W_QOS, SPLIT_TOP, TTFT_HOP_FACTOR, TTFT_LAT_FACTOR, CoreResult)
 
 PT_DIRECT, PT_NVLINK_RELAY, PT_CROSSNODE_RELAY, PT_SPLIT, PT_STORAGE_RELAY = 0, 1, 2, 3, 4
-(P_W_BW, P_W_Q, P_W_HOPS, P_W_QOS, P_W_LAT, P_RELAY_MARGIN, P_SPLIT_MARGIN, P_ENABLE_SPLIT,
- P_MAX_SPLIT, P_RELAY_CHUNK, P_RELAY_OVERHEAD_US, P_NPARAMS) = range(12)
 
 
 class PairCore:
@@ -240,8 +240,8 @@ class PairCore:
                     best_dir = p
         if best_ok < 0:
             choose = best_all
-            return (ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
-                    4, self.s_worst[choose], choose, 0.0, s_cost[choose])
+            return CoreResult(ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
+                              4, self.s_worst[choose], choose, 0.0, s_cost[choose])
         choose = best_ok
         params = self.params
         if ptype[choose] != PT_DIRECT:
@@ -348,10 +348,10 @@ class PairCore:
                         shares.append(s)
                         rem -= s
                     shares.append(rem)
-                    return (PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
+                    return CoreResult(PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
         if reason == 0:
             gain = 0.0
-        return (kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
+        return CoreResult(kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
 
     def scores(self, nbytes, ttft):
         self._score(float(nbytes), bool(ttft))

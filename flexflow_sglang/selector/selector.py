@@ -14,7 +14,8 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 
 from ..errors import CompiledCoreMissing, SelectorError, TopologyError
-from ..topology.graph import PATH_TYPE_BY_CODE, PATH_TYPE_CODES, Path, PathType, Topology
+from ..topology.graph import PATH_TYPE_CODES, Path, PathType, Topology
+from .cost_model import CoreResult, pack_params
 from .types import PathDecision, SelectorConfig, TransferRequest
 
 try:  # the compiled core; the twin below is the fallback
@@ -25,9 +26,6 @@ except ImportError as _e:  # pragma: no cover - depends on the build
 else:
     _compiled_error = None
 from . import _core_py
-
-# the relay pipeline model's constants live with the types (the NodeAgent's estimates use them too)
-from .types import RELAY_CHUNK_BYTES, RELAY_OVERHEAD_US  # noqa: E402,F401  (re-exported)
 
 
 def selector_backend() -> str:
@@ -49,12 +47,6 @@ def _resolve_impl(impl: Optional[str]):
                 "build it with `pip install -e .` (needs Cython and a C compiler)")
         return "python", _core_py.PairCore
     return "compiled", _compiled.PairCore
-
-
-def pack_params(cfg: SelectorConfig, ttft_default: bool = False) -> np.ndarray:
-    return np.array([cfg.w_bandwidth, cfg.w_queue_delay, cfg.w_hops, cfg.w_qos_risk, cfg.w_latency,
-                     cfg.relay_benefit_margin, cfg.split_benefit_margin, 1.0 if cfg.enable_split_path else 0.0,
-                     float(cfg.max_split_paths), float(cfg.relay_chunk_bytes), RELAY_OVERHEAD_US], dtype=np.float64)
 
 
 class _PairTable:
@@ -169,5 +161,7 @@ class PathSelector:
         t = self._table(request.src, request.dst)
         i = next((k for k, p in enumerate(t.paths) if p.type == PathType.Direct), 0)
         bw, est, cost, rej = t.core.scores(float(request.data_bytes), bool(request.ttft_sensitive))[i]
-        raw = (PATH_TYPE_CODES[t.paths[i].type], (i,), (request.data_bytes,), bw, est, rej, 0, -1, -1, 0.0, cost)
+        raw = CoreResult(kind=PATH_TYPE_CODES[t.paths[i].type], indices=(i,), shares=(request.data_bytes,),
+                         est_bw_gbps=bw, est_time_us=est, qos_violation=rej, reason=0, aux_link=-1, aux_path=-1,
+                         gain=0.0, cost=cost)
         return PathDecision(request, t.paths, raw, self)

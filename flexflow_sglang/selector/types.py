@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional, Tuple
+from typing import Tuple
 
-from ..topology.graph import PATH_TYPE_BY_CODE, Path, PathType  # noqa: F401  (re-exported)
+from ..topology.graph import PATH_TYPE_BY_CODE, PATH_TYPE_CODES, Path, PathType  # noqa: F401  (re-exported)
+# the core's result layout (named indices into PathDecision._raw) and the relay model's default chunk
+from .cost_model import (RELAY_CHUNK_BYTES, R_COST, R_EST_BW, R_EST_TIME, R_GAIN, R_INDICES, R_KIND,
+                         R_QOS_VIOLATION, R_REASON, R_SHARES, CoreResult)
 
-#: relay pipeline model: a store-and-forward relay adds one chunk's transfer time
-#: (SelectorConfig.relay_chunk_bytes, default below) plus a fixed per-relay overhead (buffer
-#: hand-off, notification) to the path latency.
-RELAY_CHUNK_BYTES = 4 << 20
-RELAY_OVERHEAD_US = 5.0
+_SPLIT = PATH_TYPE_CODES[PathType.SplitPath]
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class SelectorConfig:
     split_benefit_margin: float = 0.10
     ttft_sensitive: bool = False
     #: chunk size of store-and-forward relays (the pipeline fill a relay adds); match the executor's
-    relay_chunk_bytes: int = 4 << 20
+    relay_chunk_bytes: int = RELAY_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         from ..config_rules import validate_selector_values  # one validator for YAML and Python callers
@@ -51,8 +50,6 @@ class TransferRequest:
     dst: str
     data_bytes: int
     ttft_sensitive: bool = False
-    #: chunk size of store-and-forward relays (the pipeline fill a relay adds); match the executor's
-    relay_chunk_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if not isinstance(self.data_bytes, int) or isinstance(self.data_bytes, bool) or self.data_bytes <= 0:
@@ -88,8 +85,7 @@ except ImportError:  # pragma: no cover - depends on the build
         def __init__(self, request, paths, raw, selector):
             self.request = request
             self._paths = paths  # candidate Path tuple of the (src, dst) pair
-            # raw = (kind, indices, shares, est_bw, est_time, qos_violation, reason, aux_link, aux_path, gain, cost)
-            self._raw = raw
+            self._raw = raw  # the core's result, laid out as cost_model.CoreResult
             self._sel = selector
             self._reason = None
 
@@ -99,79 +95,86 @@ class PathDecision(_DecisionBase):
     (node sequence, bytes) whose bytes sum exactly to the request's data_bytes.
     `estimated_bandwidth` is GB/s, `estimated_time_us` microseconds.
 
-    Built from the core's raw result tuple; everything else is derived on access so that
-    select() allocates one small object."""
+    Built from the core's raw result (`_raw`, laid out as cost_model.CoreResult and read through its
+    R_* indices; `raw` gives the named view); everything else is derived on access so that select()
+    allocates one small object."""
 
     __slots__ = ()  # fields live in _DecisionBase: request, _paths, _raw (the core's tuple), _sel, _reason
 
     @property
     def chosen_type(self) -> PathType:
-        return PATH_TYPE_BY_CODE[self._raw[0]]
+        return PATH_TYPE_BY_CODE[self._raw[R_KIND]]
 
     @property
     def estimated_bandwidth(self) -> float:
-        return self._raw[3]
+        return self._raw[R_EST_BW]
 
     @property
     def estimated_time_us(self) -> float:
-        return self._raw[4]
+        return self._raw[R_EST_TIME]
 
     @property
     def qos_violation(self) -> bool:
-        return bool(self._raw[5])
+        return bool(self._raw[R_QOS_VIOLATION])
 
     @property
     def reason_code(self) -> int:
-        return self._raw[6]
+        return self._raw[R_REASON]
 
     @property
     def cost(self) -> float:
-        return self._raw[10]
+        return self._raw[R_COST]
 
     @property
     def gain(self) -> float:
-        return self._raw[9]
+        return self._raw[R_GAIN]
+
+    @property
+    def raw(self) -> CoreResult:
+        """The core's result with named fields (a copy; `_raw` is what the core returned)."""
+        return CoreResult._make(self._raw)
 
     @property
     def subpaths(self) -> Tuple[SubPath, ...]:
         return tuple(SubPath(self._paths[i].type, self._paths[i].nodes, self._paths[i].links, s)
-                     for i, s in zip(self._raw[1], self._raw[2]))
+                     for i, s in zip(self._raw[R_INDICES], self._raw[R_SHARES]))
 
     @property
     def hops(self):
-        if self._raw[0] == 3:  # SplitPath
-            return tuple((self._paths[i].nodes, s) for i, s in zip(self._raw[1], self._raw[2]))
-        return self._paths[self._raw[1][0]].nodes
+        if self._raw[R_KIND] == _SPLIT:
+            return tuple((self._paths[i].nodes, s) for i, s in zip(self._raw[R_INDICES], self._raw[R_SHARES]))
+        return self._paths[self._raw[R_INDICES][0]].nodes
 
     @property
     def relays(self) -> Tuple[str, ...]:
-        return tuple(r for i in self._raw[1] for r in self._paths[i].relays)
+        return tuple(r for i in self._raw[R_INDICES] for r in self._paths[i].relays)
 
     @property
     def links(self) -> Tuple[int, ...]:
-        return tuple(l for i in self._raw[1] for l in self._paths[i].links)
+        return tuple(l for i in self._raw[R_INDICES] for l in self._paths[i].links)
 
     @property
     def reason(self) -> str:
         if self._reason is None:
-            self._reason = REASONS[self._raw[6]].format(**self._reason_args())
+            self._reason = REASONS[self._raw[R_REASON]].format(**self._reason_args())
         return self._reason
 
     def _reason_args(self) -> dict:
-        kind, idx, _, _, _, _, code, aux_link, aux_path, gain, _ = self._raw
+        raw = self.raw
+        code, idx = raw.reason, raw.indices
         cfg = self._sel.config
-        out = {"gain": gain, "margin": cfg.split_benefit_margin if code == 3 else cfg.relay_benefit_margin,
+        out = {"gain": raw.gain, "margin": cfg.split_benefit_margin if code == 3 else cfg.relay_benefit_margin,
                "n": len(idx), "via": "-", "link": "-", "util": 0.0, "thr": 0.0, "qos": ""}
-        relay_path = self._paths[aux_path] if code == 5 else self._paths[idx[0]]
+        relay_path = self._paths[raw.aux_path] if code == 5 else self._paths[idx[0]]
         out["via"] = ",".join(relay_path.relays) or "-"
-        if aux_link >= 0:
-            link = self._sel.topology.links[aux_link]
-            out.update(link=f"{link.a}-{link.b}", util=float(self._sel.agent.util[aux_link]),
+        if raw.aux_link >= 0:
+            link = self._sel.topology.links[raw.aux_link]
+            out.update(link=f"{link.a}-{link.b}", util=float(self._sel.agent.util[raw.aux_link]),
                        thr=cfg.threshold_for(link.qos_class), qos=link.qos_class)
         return out
 
     def to_dict(self) -> dict:
-        split = self._raw[0] == 3
+        split = self._raw[R_KIND] == _SPLIT
         return {
             "src": self.request.src, "dst": self.request.dst, "data_bytes": self.request.data_bytes,
             "ttft_sensitive": self.request.ttft_sensitive,
@@ -188,7 +191,3 @@ class PathDecision(_DecisionBase):
         return (f"PathDecision({self.chosen_type.value}, hops={self.hops}, "
                 f"bw={self.estimated_bandwidth:.2f} GB/s, t={self.estimated_time_us:.1f} us, "
                 f"qos_violation={self.qos_violation}, reason={self.reason!r})")
-
-
-def _opt(x: Optional[float]) -> float:
-    return 0.0 if x is None else x

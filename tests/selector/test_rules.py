@@ -103,16 +103,14 @@ def _leg_finish_us(sel, d):
     """Each leg's predicted finish (us) under the single-path model applied to its own share: share
     at the path's available bandwidth + link latencies + per relay one min(share, chunk) pipeline
     chunk and the hand-off + queueing."""
-    from flexflow_sglang.selector.selector import RELAY_OVERHEAD_US
+    from flexflow_sglang.selector.cost_model import path_time_us
     by_nodes = {p.nodes: (p, bw) for p, bw, _, _, _ in sel.scores(d.request.src, d.request.dst, d.request.data_bytes)}
-    chunk = sel.config.relay_chunk_bytes
     out = []
     for leg in d.subpaths:
         path, bw = by_nodes[leg.nodes]
         lat = sum(sel.topology.links[l].latency_us for l in path.links)
         q = sum(float(sel.agent.qdelay_us[l]) for l in path.links)
-        out.append(leg.nbytes / (bw * 1e3) + lat + len(path.relays) * (min(leg.nbytes, chunk) / (bw * 1e3)
-                                                                         + RELAY_OVERHEAD_US) + q)
+        out.append(path_time_us(leg.nbytes, bw, lat, len(path.relays), q, sel.config.relay_chunk_bytes))
     return out
 
 

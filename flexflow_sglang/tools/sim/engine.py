@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from flexflow_sglang.selector.cost_model import RELAY_CHUNK_BYTES, RELAY_OVERHEAD_US, relay_fill_s
 from flexflow_sglang.topology.graph import PathType, Topology
 from .maxmin import max_min_csr
 
@@ -173,8 +174,8 @@ class _KVFlow:
 
 @dataclass
 class SimParams:
-    relay_chunk_bytes: int = 4 << 20  # store-and-forward pipeline chunk
-    relay_overhead_us: float = 5.0  # per relay hand-off (buffer swap, notification)
+    relay_chunk_bytes: int = RELAY_CHUNK_BYTES  # store-and-forward pipeline chunk
+    relay_overhead_us: float = RELAY_OVERHEAD_US  # per relay hand-off (buffer swap, notification)
 
 
 # --------------------------------------------------------------------------- simulator
@@ -439,8 +440,9 @@ class Simulator:
         dur = max(now - f.start, 1e-15)
         fill = 0.0
         if f.n_relays:
-            avg = f.nbytes / dur
-            fill = f.n_relays * (min(self.params.relay_chunk_bytes, f.nbytes) / avg + self.params.relay_overhead_us * 1e-6)
+            # the selector's relay model (selector/cost_model.py) at the flow's average rate
+            fill = relay_fill_s(f.n_relays, f.nbytes, f.nbytes / dur, self.params.relay_chunk_bytes,
+                                self.params.relay_overhead_us)
         self._push(now + f.lat_s + fill, ("sub", f.tid, f.sub, f.links, f.nbytes, f.start, f.n_relays))
 
     def _complete(self, ev: tuple, now: float) -> Optional[int]:

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from flexflow_sglang.selector import PathSelector, SelectorConfig, TransferRequest
+from flexflow_sglang.selector.cost_model import RELAY_OVERHEAD_US
 from flexflow_sglang.topology import make_mock_hosts
 from flexflow_sglang.topology.graph import PathType, Topology
 from .engine import GB, BgFlow, BgGroup, Network, Plan, SimParams, Simulator, SubPlan
@@ -78,7 +79,7 @@ class LabSettings:
     progress: bool = True  # own bytes reported while running (the benchmark: per 1 MiB chunk)
     feedback: bool = True
     relay_chunk_bytes: int = EXECUTOR_CHUNK  # the simulated executor's relay pipeline chunk
-    relay_overhead_us: float = 5.0
+    relay_overhead_us: float = RELAY_OVERHEAD_US
     seed: int = 0
     udp_fair: bool = False  # ablation: UDP as a max-min fair flow (the main study's background model)
     selector: Dict[str, float] = field(default_factory=dict)  # SelectorConfig overrides for adaptive

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import List, Optional
 
+from flexflow_sglang.selector.cost_model import RELAY_CHUNK_BYTES, RELAY_OVERHEAD_US
 from .engine import SimParams
 from .scenario_runner import DEFAULT_POLICIES, MonitorSettings, run_scenario
 from .scenarios import EXTRA_LOADS, LOADS, MACHINES, PAYLOADS_MIB, Scenario
@@ -80,10 +81,11 @@ def parse_args(argv=None):
     ap.add_argument("--no-feedback", action="store_true", help="do not report completed transfers to the agent")
     ap.add_argument("--no-reserve", action="store_true",
                     help="the adaptive policy does not reserve its in-flight transfers on the agent (ablation)")
-    ap.add_argument("--relay-chunk-kib", type=int, default=4096,
+    ap.add_argument("--relay-chunk-kib", type=int, default=RELAY_CHUNK_BYTES >> 10,
                     help="store-and-forward pipeline chunk of a relay in the simulated network (the selector's "
-                         "model assumes 4096)")
-    ap.add_argument("--relay-overhead-us", type=float, default=5.0, help="per-relay hand-off cost in the simulation")
+                         f"model assumes {RELAY_CHUNK_BYTES >> 10})")
+    ap.add_argument("--relay-overhead-us", type=float, default=RELAY_OVERHEAD_US,
+                    help="per-relay hand-off cost in the simulation")
     ap.add_argument("--img-dir", default=None, help="where to write PNGs (default OUT/img)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")

@@ -93,6 +93,20 @@ class RemoteTierConfig:
 
 
 @dataclass(frozen=True)
+class HiCacheStorageTierConfig:
+    """SGLang's HiCache storage backends (file, mooncake, nixl, ...) as a deep tier, built by name
+    (`hicache_storage`, registered by backend/plugin.py; backend/hicache_tier.py)."""
+    enabled: bool = False
+    backend: str = "file"  # a name SGLang's StorageBackendFactory knows: file | mooncake | nixl | ...
+    extra_config: Dict[str, Any] = field(default_factory=dict, hash=False)  # the backend's own settings
+    write_through: bool = True  # copy every stored page here too (else only host-tier evictions, if first)
+    node: Optional[str] = None  # topology node of the store (null: nvme0 for local-disk backends, else unrouted)
+    timeout_ms: float = 2000.0  # one backend call waits at most this long, then it is a miss
+    retry_after_s: float = 5.0  # after a failed or timed-out call, every call is a miss this long
+    staging_mb: float = 16.0  # flexflow's staging buffer (registered with the backend where it needs that)
+
+
+@dataclass(frozen=True)
 class TransferConfig:
     """The transfer engine (flexflow_sglang/transfer/): background deep-tier I/O and prefetch."""
     mode: str = "async"  # async: deep-tier I/O on engine workers | sync: on the scheduler thread (ablation)
@@ -147,6 +161,10 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                     "write_through": ("bool", None), "secret_file": ("opt_str", None),
                     "keyed_page_keys": ("bool", None), "local_node": ("opt_str", None),
                     "relay_peers": ("hostport_list", None)},
+    "hicache_storage": {"enabled": ("bool", None), "backend": ("str", None), "extra_config": ("mapping", None),
+                        "write_through": ("bool", None), "node": ("opt_str", None),
+                        "timeout_ms": ("positive", None), "retry_after_s": ("nonneg", None),
+                        "staging_mb": ("positive", None)},
     "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
            "rails": ("str_list", None), "rail_gbps": ("opt_positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,
@@ -168,6 +186,7 @@ class FlexFlowConfig:
     host_tier: HostTierConfig = field(default_factory=HostTierConfig)
     storage_tier: StorageTierConfig = field(default_factory=StorageTierConfig)
     remote_tier: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    hicache_storage: HiCacheStorageTierConfig = field(default_factory=HiCacheStorageTierConfig)
     pd: PDConfig = field(default_factory=PDConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     #: deep tiers after storage_tier / remote_tier, in this order (docs/tiers.md, "Adding a tier")
@@ -198,7 +217,7 @@ class FlexFlowConfig:
 
 _SECTION_CLASSES = {"topology": TopologyConfig, "monitor": MonitorConfig, "host_tier": HostTierConfig,
                     "storage_tier": StorageTierConfig, "remote_tier": RemoteTierConfig,
-                    "pd": PDConfig, "transfer": TransferConfig}
+                    "hicache_storage": HiCacheStorageTierConfig, "pd": PDConfig, "transfer": TransferConfig}
 
 
 MAX_ALIASES = 16       # a config needs none; an alias bomb needs many
@@ -299,7 +318,8 @@ def config_from_dict(data: dict, source: str = "<dict>") -> FlexFlowConfig:
     errs += _check_secret(base.get("remote_tier", {}), errs)
     if errs:
         raise ConfigError(f"invalid flexflow config {source}: " + "; ".join(errs))
-    sections = {name: cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in base[name].items()})
+    sections = {name: cls(**{k: (tuple(v) if isinstance(v, list) else copy.deepcopy(v) if isinstance(v, dict) else v)
+                             for k, v in base[name].items()})
                 for name, cls in _SECTION_CLASSES.items()}
     return FlexFlowConfig(selector=SelectorConfig(**base["selector"]), selector_impl=base["selector_impl"],
                           log_level=base["log_level"], extra_tiers=extra,
@@ -313,10 +333,21 @@ def _section_errors(key: str, values: Mapping[str, Any], missing: str) -> List[s
         if sub not in values:
             errs.append(f"{key}.{sub} {missing}")
             continue
-        e = _check(*rule, values[sub], f"{key}.{sub}")
+        e = _mapping_error(values[sub], f"{key}.{sub}") if rule[0] == "mapping" else \
+            _check(*rule, values[sub], f"{key}.{sub}")
         if e:
             errs.append(e)
     return errs
+
+
+def _mapping_error(value, key: str) -> Optional[str]:
+    """A free-form mapping handed on as given (hicache_storage.extra_config): string keys, and
+    bounded, since it is copied into every tier's options."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        return f"{key} = {_short(value)}: must be a mapping with non-empty string keys"
+    if len(value) > 256:
+        return f"{key}: {len(value)} entries; at most 256"
+    return None
 
 
 def _extra_tiers(value) -> Tuple[Tuple[ExtraTierConfig, ...], List[str]]:

@@ -44,7 +44,16 @@ def register() -> None:
 
     if get_radix_cache_factory(BACKEND_NAME) is None:  # a duplicate registration raises ValueError
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
+    register_tiers()
     _register_hooks()
+
+
+def register_tiers() -> None:
+    """Deep tiers that are SGLang glue (they import SGLang, so tiers/ cannot register them):
+    `hicache_storage` wraps SGLang's HiCache storage backends (backend/hicache_tier.py). Lazy and
+    idempotent: the module is imported when a config names the tier."""
+    from ..tiers.registry import register_tier
+    register_tier("hicache_storage", "flexflow_sglang.backend.hicache_tier:hicache_factory")
 
 
 def _register_hooks() -> None:

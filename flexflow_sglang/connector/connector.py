@@ -750,7 +750,7 @@ def _safe_stats(tier) -> dict:
 def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int,
                        rank_dir: str = "rank0") -> List[KVTier]:
     """The deep tiers the config names, below the host tier, in this order: `storage_tier`,
-    `remote_tier` (with peers), then `extra_tiers`; each is built by name through the tier registry
+    `remote_tier` (with peers), `hicache_storage`, then `extra_tiers`; each is built by name through the tier registry
     (tiers/registry.py: the section or the entry's options, a TierContext with the fingerprint, page
     size and rank directory) and gets the section's or entry's `write_through`.
 
@@ -764,6 +764,8 @@ def build_deeper_tiers(cfg: FlexFlowConfig, fingerprint: dict, page_nbytes: int,
         specs.append(("storage", asdict(cfg.storage_tier), cfg.storage_tier.write_through, None))
     if cfg.remote_tier.enabled and cfg.remote_tier.peers:
         specs.append(("remote", asdict(cfg.remote_tier), cfg.remote_tier.write_through, None))
+    if cfg.hicache_storage.enabled:  # SGLang's HiCache backends: registered by backend/plugin.py (SGLang glue)
+        specs.append(("hicache_storage", asdict(cfg.hicache_storage), cfg.hicache_storage.write_through, None))
     specs += [(e.name, e.options, e.write_through, e.factory) for e in cfg.extra_tiers]
     out: List[KVTier] = []
     for name, options, write_through, factory in specs:

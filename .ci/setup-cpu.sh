@@ -37,6 +37,20 @@ step() {  # step LABEL COMMAND...: run it with its output in $LOG; one line here
   exit "$rc"
 }
 
+optional_step() {  # optional_step LABEL COMMAND...: like step, but a failure is one line and the set-up goes on
+  local label="$1" t=$SECONDS rc=0
+  shift
+  printf '  %-58s ' "$label"
+  echo "==== $label: $*" >> "$LOG"
+  "$@" >> "$LOG" 2>&1 || rc=$?
+  if [ "$rc" -eq 0 ]; then
+    echo "ok ($((SECONDS - t)) s)"
+    return 0
+  fi
+  echo "skipped (exit $rc: $(sed -n "/^==== $label: /,\$p" "$LOG" | grep -v '^====' | grep -v '^ *$' | tail -1 | cut -c1-80))"
+  return 1
+}
+
 [ -x "$VENV/bin/python" ] || step "venv ($PY)" "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install -q -c "$C")
 # 1. torch CPU + SGLang's real runtime imports (sglang's METADATA pins a CUDA stack: --no-deps below)
@@ -60,6 +74,26 @@ step "flexflow-sglang (editable, compiled selector core)" "${PIP[@]}" --no-build
 # 4. torchvision 0.28.0 on PyPI is a CUDA build: guard its two unconditional fake-op registrations
 #    so `import torchvision.transforms` (done by sglang at start-up) works beside CPU torch. Idempotent.
 step "torchvision CPU guard (patch_torchvision)" "$VENV/bin/python" -m flexflow_sglang.tools.cpu_support.patch_torchvision
+# 5. optional: Mooncake Store, a deep tier through SGLang's HiCache backend (hicache_storage: {backend:
+#    mooncake}; tests/backend/test_mooncake_tier.py skips without it). Its wheel links libibverbs.so.1
+#    even for TCP: Debian's libibverbs1 comes first (apt; where apt or root is unavailable, one line and
+#    the set-up goes on without Mooncake). FLEXFLOW_SKIP_MOONCAKE=1 skips both.
+ibverbs() {
+  ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && { echo "libibverbs.so.1 already present"; return 0; }
+  command -v apt-get >/dev/null || { echo "apt-get not available: install libibverbs1 (or rdma-core) by hand"; return 1; }
+  local sudo=()
+  [ "$(id -u)" -eq 0 ] || sudo=(sudo -n)
+  "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1 \
+    || { "${sudo[@]}" apt-get update -q && "${sudo[@]}" apt-get install -y -q --no-install-recommends libibverbs1; }
+}
+mooncake() {
+  "${PIP[@]}" mooncake-transfer-engine-non-cuda==0.3.13.post1 && "$VENV/bin/python" -c "import mooncake.store"
+}
+if [ "${FLEXFLOW_SKIP_MOONCAKE:-0}" = 1 ]; then
+  printf '  %-58s skipped (FLEXFLOW_SKIP_MOONCAKE=1)\n' "mooncake (optional)"
+elif optional_step "libibverbs1 (apt; Mooncake needs it even over TCP)" ibverbs; then
+  optional_step "mooncake-transfer-engine-non-cuda 0.3.13.post1 (optional)" mooncake || true
+fi
 # What a newcomer needs to know: the versions in place, and that pip's resolver complaints about
 # sglang's CUDA pins are expected (it is installed with --no-deps on purpose).
 "$VENV/bin/python" - "$LOG" <<'PY' || true
@@ -72,7 +106,7 @@ def v(n):
         return "missing"
 log = open(sys.argv[1], errors="replace").read()
 n = log.count("which is not installed") + log.count("which is incompatible")
-print("  installed: " + ", ".join(f"{p} {v(p)}" for p in ("torch", "sglang", "nixl", "flexflow-sglang")))
+print("  installed: " + ", ".join(f"{p} {v(p)}" for p in ("torch", "sglang", "nixl", "mooncake-transfer-engine-non-cuda", "flexflow-sglang")))
 if n:
     print(f"  (pip listed {n} unmet requirements of sglang's CUDA pins: expected with --no-deps, not an error)")
 PY

@@ -63,8 +63,7 @@ class RelayMixin:
     def _relay_cold(t) -> bool:
         """The relay's client of the owner has to connect / load metadata first (lock held): the
         client then does not take this request's time as a bandwidth measurement."""
-        p = t._peers[0]
-        return t._agent is None or p.sock is None or p.loaded_gen != t._gen
+        return t.first_contact(0)
 
     def _relay_warmup(self) -> None:
         """Create the relay clients of --relay-peers (NIXL agent ~0.5 s each) before they are needed."""
@@ -73,9 +72,9 @@ class RelayMixin:
                 return
             try:
                 t = self._relay_tier(addr)
-                with t._lock:
-                    t._ensure_agent()
-            except Exception as e:
+                with t.lock:
+                    t.ensure_agent()
+            except Exception as e:  # NIXL/UCX errors share no base class; the client is then made on first use
                 log.warning("tier server: relay client for %s: %r", addr, e)
 
     def _alloc_temp(self, n: int) -> List[int]:
@@ -111,11 +110,11 @@ class RelayMixin:
                 contiguous = slots == list(range(slots[0], slots[0] + m))
                 out = self.pages[slots[0]:slots[0] + m] if contiguous else np.empty((m, P), dtype=np.uint8)
                 t0 = time.perf_counter()
-                with t._lock:
+                with t.lock:
                     t.timeout_s = timeout_s
                     cold = self._relay_cold(t)
                     got = t.get_many_into(keys[:m], out)
-                    peer = t._peers[0]
+                    peer = t.peer(0)
                     if got < m and not peer.up(time.monotonic()):
                         err = f"owner {addr}: {peer.down_reason}"
                 pull_s = time.perf_counter() - t0
@@ -201,11 +200,11 @@ class RelayMixin:
         if good:
             t = self._relay_tier(lease.owner)
             t0 = time.perf_counter()
-            with t._lock:
+            with t.lock:
                 t.timeout_s = lease.timeout_s
                 cold = self._relay_cold(t)
                 k = t.put_many([lease.keys[j] for j in good], pages)
-                peer = t._peers[0]
+                peer = t.peer(0)
                 if k < len(good) and not peer.up(time.monotonic()):
                     err = f"owner {lease.owner}: {peer.down_reason}"
             fwd_s = time.perf_counter() - t0

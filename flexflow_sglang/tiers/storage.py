@@ -109,8 +109,8 @@ def _gds_usable() -> Tuple[bool, str]:
         import torch  # noqa: F401  (only reached when cuFile exists)
         if not torch.cuda.is_available():
             return False, "torch.cuda is not available"
-    except Exception as e:
-        return False, f"torch unavailable ({type(e).__name__})"
+    except Exception as e:  # importing torch / probing CUDA fails in many ways; any of them means no GDS
+        return False, f"torch unavailable ({type(e).__name__})"  # the caller logs this reason
     return True, ""
 
 
@@ -276,7 +276,7 @@ class StorageTier(KVTier):
                 try:
                     agent.create_backend("GDS")
                     self._agent, self._bk = agent, "GDS"
-                except Exception as e:
+                except Exception as e:  # NIXL's nixl*Error types share no base below Exception
                     log.warning("storage tier: NIXL GDS backend failed (%r); using POSIX", e)
             elif requested == "gds":
                 log.warning("storage tier: backend=gds requested but %s; using NIXL POSIX", reason)
@@ -429,7 +429,7 @@ class StorageTier(KVTier):
             if st == "PROC":
                 st = wait_xfers(a, [h], None)[0]
             return st == "DONE"
-        except Exception as e:
+        except Exception as e:  # NIXL's nixl*Error types share no base: the caller falls back (_nixl_failed)
             log.debug("storage tier NIXL %s failed: %r", op, e)
             return False
         finally:
@@ -437,7 +437,7 @@ class StorageTier(KVTier):
                 if obj is not None:
                     try:
                         fn(obj)
-                    except Exception as e:  # pragma: no cover
+                    except Exception as e:  # pragma: no cover  (cleanup of a finished call: only leaks)
                         log.debug("storage tier NIXL cleanup: %r", e)
 
     def _nixl_failed(self, what: str) -> None:
@@ -447,8 +447,8 @@ class StorageTier(KVTier):
             try:
                 if self._hdr_reg is not None:
                     self._agent.deregister_memory(self._hdr_reg)
-            except Exception:
-                pass
+            except Exception as e:  # NIXL errors share no base; the GDS registration is dropped anyway
+                log.debug("storage tier: deregister GDS header buffer: %r", e)
             self._hdr_reg = None
             self._hdr_buf = None
             self._agent.create_backend("POSIX")
@@ -663,7 +663,7 @@ class StorageTier(KVTier):
             self._c["pages_written"] += n
             self._c["bytes_written"] += n * P
             self._c["write_s"] += time.perf_counter() - t0
-        except BaseException:
+        except BaseException:  # also KeyboardInterrupt & co.: never leave temp files behind; re-raised
             for _, tmp, _ in tmps:
                 self._unlink(tmp)
             raise
@@ -730,8 +730,8 @@ class StorageTier(KVTier):
             if self._agent is not None and self._hdr_reg is not None:
                 try:
                     self._agent.deregister_memory(self._hdr_reg)
-                except Exception:
-                    pass
+                except Exception as e:  # NIXL errors share no base; closing drops the agent anyway
+                    log.debug("storage tier: deregister at close: %r", e)
             self._hdr_reg = None
             self._agent = None
             if self._lock_fd < 0:
@@ -750,5 +750,5 @@ class StorageTier(KVTier):
     def __del__(self):  # pragma: no cover
         try:
             self.close()
-        except Exception:
+        except Exception:  # a finalizer must not raise (and may run at interpreter exit, modules half gone)
             pass

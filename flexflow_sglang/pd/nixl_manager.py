@@ -158,6 +158,8 @@ def flexflow_nixl_manager_class():
 
         # ------------------------------------------------------------------ rails
         def _ff_setup_rails(self, cfg) -> None:
+            from ..tiers.base import skip_ucx_rdma_modules_without_devices
+            skip_ucx_rdma_modules_without_devices()  # before UCX loads (exit-time segfault, see there)
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
             from .rails import RailRouter

@@ -229,12 +229,31 @@ def _import_nixl_api():
     return nixl_agent, nixl_agent_config
 
 
+def skip_ucx_rdma_modules_without_devices(env=os.environ, sysfs: str = "/sys/class/infiniband") -> bool:
+    """On a host with no RDMA device, keep UCX from loading its InfiniBand modules
+    (UCX_MODULES=^ib,rdmacm) unless the user set UCX_MODULES. Why: once libibverbs1 is installed
+    (Mooncake needs it even for TCP), the UCX bundled with NIXL loads uct_ib, whose bundled
+    libnl-route segfaults in its exit-time destructor: every process that used NIXL then exits with
+    SIGSEGV (seen: the tier server's clean 'port in use' exit became -11). Without a device the ib
+    modules have nothing to drive, so nothing is lost. Returns True when it set the variable."""
+    if "UCX_MODULES" in env:
+        return False
+    try:
+        if os.listdir(sysfs):
+            return False
+    except OSError:
+        pass  # no sysfs class at all: no RDMA device either
+    env["UCX_MODULES"] = "^ib,rdmacm"
+    return True
+
+
 def load_nixl():
     """(nixl_agent, nixl_agent_config, "") when nixl imports, else (None, None, reason).
     Sets NIXL_LOG_LEVEL=WARN unless the caller set it (NIXL logs to stdout by default)."""
     global _nixl_cache
     if _nixl_cache is None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        skip_ucx_rdma_modules_without_devices()
         try:
             _nixl_cache = (*_import_nixl_api(), "")
         except Exception as e:  # ImportError, missing shared libraries, ...

@@ -130,3 +130,19 @@ def test_rendezvous_is_stable_and_balanced():
         r = rendezvous_rank(k, peers)
         without = [p for p in peers if p != peers[r[0]]]
         assert without[rendezvous_rank(k, without)[0]] == peers[r[1]]
+
+
+def test_ucx_rdma_modules_are_skipped_only_without_rdma_devices(tmp_path):
+    # with libibverbs1 installed and no RDMA device, UCX's ib modules crash NIXL processes at exit
+    from flexflow_sglang.tiers.base import skip_ucx_rdma_modules_without_devices as skip
+    empty = tmp_path / "infiniband"
+    empty.mkdir()
+    env = {}
+    assert skip(env, str(empty)) and env["UCX_MODULES"] == "^ib,rdmacm"
+    env = {}
+    assert skip(env, str(tmp_path / "absent")) and env["UCX_MODULES"] == "^ib,rdmacm"
+    (empty / "mlx5_0").mkdir()  # a real device: UCX keeps its InfiniBand transports
+    env = {}
+    assert not skip(env, str(empty)) and "UCX_MODULES" not in env
+    env = {"UCX_MODULES": "^cma"}  # the user's choice wins
+    assert not skip(env, str(tmp_path / "absent")) and env["UCX_MODULES"] == "^cma"

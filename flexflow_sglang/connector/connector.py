@@ -1,9 +1,10 @@
 """FlexFlowConnector: the one object the radix cache talks to for KV outside the device pool.
 
 It owns the host tier, the deeper tiers (KVTier list, possibly empty, built by name through the
-tier registry: tiers/registry.py), a PathSelector with its NodeAgent, and the TransferExecutor. The cache decides what to look up, load and store; the
-connector moves the bytes and reports failures as results (False / a failed handle), never as
-exceptions across the scheduler loop.
+tier registry: tiers/registry.py), a PathSelector with its NodeAgent, and the TransferExecutor.
+The cache decides what to look up, load and store; the connector moves the bytes and reports
+failures as results (a LoadResult with ok False, a failed handle), never as exceptions across the
+scheduler loop.
 
 Keys: `page_keys` chains a 32-byte blake2b per full page over the whole prefix, seeded with the
 model/layout fingerprint and the request namespace (extra_key, cache_salt), so a key names the KV
@@ -98,6 +99,7 @@ class FlexFlowConnector:
         from ..monitor import NodeAgent
         from ..selector import PathSelector
 
+        tiers = list(tiers)
         for t in tiers:
             if not isinstance(t, KVTier):
                 raise TypeError(f"deeper tiers must be KVTier instances (flexflow_sglang.tiers.KVTier), "
@@ -142,7 +144,7 @@ class FlexFlowConnector:
         cap_pages = self._capacity_pages(hc, layout)
         pin = hc.pin_memory == "always" or (hc.pin_memory == "auto" and torch.cuda.is_available()
                                            and layout.device.type == "cuda")
-        self.tiers: List[KVTier] = list(tiers)
+        self.tiers: List[KVTier] = tiers
         self._route_remote_tiers()
 
         self._fingerprint = dict(fingerprint or {})

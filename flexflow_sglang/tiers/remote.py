@@ -1,138 +1,33 @@
 """Remote tier: other nodes' tier servers, reached over a TCP control channel, data by NIXL UCX.
 
-Placement: rendezvous (highest-random-weight) hashing of each key over the configured peers.
-A key goes to the best-ranked peer that is not marked down, so when a peer is down its keys go
-to their second choice, and come back when it returns (no other key moves). Pages of one prefix
-are spread over peers; a call talks to all of them at once (requests are pipelined, transfers
-posted together) and combines the per-peer leading counts into the global leading count.
-
-Failure behaviour: every call is bounded. The control round trip has a deadline of timeout_ms,
-the data transfer another timeout_ms. A peer that misses a deadline, refuses the connection,
-errors, or answers with a bad frame is a miss for this call, is marked down (closed) and is
-skipped until retry_after_s has passed; then the next call reconnects to it.
-
-Timed-out transfers (measured with NIXL 1.5.1 / UCX 1.23, see docs/tiers.md):
-* releasing a timed-out UCX request does not cancel it: a READ from a SIGSTOPped peer still
-  landed after release_xfer_handle + remove_remote_agent, once the peer was resumed;
-* destroying our agent instead stops that, but over UCX_TLS=tcp the frozen server then aborts
-  ("ucp_request.inl Fatal: Endpoint timeout") when it resumes.
-So transfers never touch the caller's memory: they use this tier's registered staging buffer
-(pages are verified there and copied to `out`; put copies into it first). A transfer that times
-out is *parked* with its staging buffer (not released, not freed); later calls poll parked
-transfers and recycle the buffer once they end (DONE when the peer resumed, ERR when it died).
-Only if parked buffers exceed max_parked_mb is the agent destroyed (and a warning logged).
-
-Routing (optional, flexflow_sglang/tiers/routing.py): with `selector`, `local_node` and
-`peer_nodes`, every batch asks the PathSelector for owner <-> local_node and executes Direct,
-CrossNodeRelay (through another tier server: RELAY_GET / RELAY_PUT) or SplitPath legs, reporting
-each completed leg to the selector's NodeAgent. `relay_peers` are tier servers used only as relays
-(they own no keys). Without a selector nothing changes.
-
-Integrity: the writer sends a CRC32 per page; the server returns it with every pinned page, and
-get_many_into() checks each page before it counts: k = leading pages loaded AND verified. A page
-that fails the check is dropped on the server (RELEASE carries it) and counted.
-
-Shared-secret mode (`secret`, tiers/trust.py): every frame carries an HMAC tag, and every page a
-keyed MAC of (key, bytes) made by its writer and checked by its reader, so neither a server nor a
-NIXL peer without the secret can pass a forged page. Routing is off in this mode (relays would need
-the secret too). A call names at most wire.MAX_KEYS_PER_FRAME keys per peer: longer prefixes are
-cut there (a shorter hit, never a wrong one). A connection the server closed while idle is noticed
-before use and reopened in the same call.
+Keys are placed by rendezvous hashing over the peers (a down peer's keys go to their second
+choice and come back when it returns); one call talks to all owners at once and combines their
+leading counts. Every call is bounded (timeout_ms for the control round trip, another for the
+data); a peer that misses a deadline or misbehaves is a miss for the call and is skipped for
+retry_after_s. Transfers use this tier's registered staging buffer, never the caller's memory:
+a timed-out UCX transfer cannot be cancelled (measured), so it is parked with its buffer until it
+ends. Pages are checked (CRC32, or a keyed MAC in shared-secret mode) before they count. With a
+selector, routing.py executes Direct / CrossNodeRelay / Split legs. docs/tiers.md has the details
+and the measurements behind each rule.
 """
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .base import (KVTier, as_pages, check_keys, make_agent, page_checksums, post_xfer, rendezvous_rank,
                    unique_agent_name, wait_xfers)
+from .remote_peers import Peer, StagingBuffer, _Pinned
 from .trust import MAC_LEN, FrameAuth, PageMac
-from .wire import (MAX_KEYS_PER_FRAME, Frame, MsgType, WireError, int_list, pack_keys, parse_hostport, read_frame,
+from .wire import (MAX_KEYS_PER_FRAME, Frame, MsgType, WireError, int_list, pack_keys, read_frame,
                    write_frame)
 
 log = logging.getLogger("flexflow_sglang.tiers.remote")
-
-
-class Peer:
-    """One configured tier server as this client sees it: address, control connection, the
-    server's NIXL identity, health (down until, why), relay capability and counters. The tier and
-    its Router (tiers/routing.py) read and update these fields; only the tier opens connections."""
-
-    def __init__(self, addr: str):
-        self.addr = addr
-        self.host, self.port = parse_hostport(addr)
-        self.sock: Optional[socket.socket] = None
-        self.auth: Optional[FrameAuth] = None  # shared-secret state of this connection
-        self.agent_name: Optional[str] = None  # the server's NIXL agent
-        self.md: Optional[bytes] = None
-        self.loaded_gen = -1                   # our agent generation that has its metadata
-        self.page_nbytes: Optional[int] = None
-        self.node: Optional[str] = None
-        self.down_until = 0.0
-        self.down_reason = ""
-        self.relay_cap: Optional[int] = None   # HELLO_OK "relay" (None: not said, e.g. an older server)
-        self.relay_unsup_until = 0.0           # answered ERROR to a RELAY_* request: direct until then
-        self.c = dict(timeouts=0, failures=0, down_events=0, bytes_read=0, bytes_written=0,
-                      pages_read=0, pages_written=0)
-        self.bw_gbps = 0.0  # EWMA of the observed data-phase bandwidth
-
-    def up(self, now: float) -> bool:
-        return now >= self.down_until
-
-    @property
-    def connected(self) -> bool:
-        """A control connection is open (it may still turn out stale: see `stale`)."""
-        return self.sock is not None
-
-    def note_bandwidth(self, gbps: float) -> None:
-        """Fold one observed data-phase bandwidth into the EWMA `bw_gbps` (the first one is taken as is)."""
-        self.bw_gbps = 0.7 * self.bw_gbps + 0.3 * gbps if self.bw_gbps else gbps
-
-    def close(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.close()
-            except OSError:
-                pass
-            self.sock = None
-        self.auth = None
-
-    def stale(self) -> bool:
-        """The server closed this idle connection (idle deadline, room for a new client), or sent
-        something unasked: reconnect instead of failing the next request on it."""
-        if self.sock is None:
-            return False
-        try:
-            r, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
-            return True
-        return bool(r)  # readable while no request is outstanding: EOF, or an ERROR before closing
-
-
-@dataclass
-class _Pinned:
-    """What the owners' pinned LOOKUP_OKs said, per pid: leading keys held, the lease that pins
-    them, their buffer addresses, writer CRCs and (shared-secret mode) page MACs."""
-    counts: Dict[int, int] = field(default_factory=dict)
-    leases: Dict[int, int] = field(default_factory=dict)
-    addrs: Dict[int, List[int]] = field(default_factory=dict)
-    sums: Dict[int, List[int]] = field(default_factory=dict)
-    macs: Dict[int, List[bytes]] = field(default_factory=dict)
-
-
-class StagingBuffer:
-    """A registered staging buffer; `users` counts parked transfers still using it."""
-    __slots__ = ("arr", "reg", "users")
-
-    def __init__(self, arr: np.ndarray, reg):
-        self.arr, self.reg, self.users = arr, reg, 0
 
 
 class RemoteTier(KVTier):

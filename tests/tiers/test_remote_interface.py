@@ -6,7 +6,8 @@ from __future__ import annotations
 import ast
 import os
 
-from flexflow_sglang.tiers.remote import Peer, RemoteTier
+from flexflow_sglang.tiers.remote import RemoteTier
+from flexflow_sglang.tiers.remote_peers import Peer
 
 TIERS = os.path.join(os.path.dirname(__file__), "..", "..", "flexflow_sglang", "tiers")
 

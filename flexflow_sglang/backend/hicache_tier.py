@@ -93,7 +93,9 @@ class _GenericIO:
         n = max(0, min(n, len(names)))
         return [1] * n + [0] * (len(names) - n)
 
-    def put(self, names: List[str], rows: list, replace: Sequence[bool]) -> List[int]:
+    def put(self, names: List[str], staging, replace: Sequence[bool]) -> List[int]:
+        """Store staging row i (a [len(names), object bytes] uint8 tensor) under names[i]."""
+        rows = list(staging.unbind(0))
         if any(replace):
             self.remove([nm for nm, r in zip(names, replace) if r])
         ok = self.backend.batch_set(names, values=rows)
@@ -102,7 +104,9 @@ class _GenericIO:
         held = self.exists(names)  # partial: whatever is there now, in order
         return [0 if h == 1 else -1 for h in held]
 
-    def get(self, names: List[str], rows: list) -> List[int]:
+    def get(self, names: List[str], staging) -> List[int]:
+        """Read names[i] into staging row i."""
+        rows = list(staging.unbind(0))
         try:
             res = self.backend.batch_get(names, target_locations=rows)
         except Exception:  # noqa: BLE001 - e.g. the file backend's short read: key by key
@@ -170,9 +174,13 @@ class _MooncakeIO(_GenericIO):
     def exists(self, names):
         return [int(x) for x in self.store.batch_is_exist(names)]
 
-    def put(self, names, rows, replace):
-        ptrs = [int(r.data_ptr()) for r in rows]
-        sizes = [int(r.numel()) for r in rows]
+    @staticmethod
+    def _ptrs(staging):
+        base, stride, size = int(staging.data_ptr()), int(staging.stride(0)), int(staging.shape[1])
+        return [base + i * stride for i in range(staging.shape[0])], [size] * staging.shape[0]
+
+    def put(self, names, staging, replace):
+        ptrs, sizes = self._ptrs(staging)
         if any(replace):  # a page dropped as bad but not removable (lease): overwrite it
             idx = [i for i, r in enumerate(replace) if r]
             up = self.store.batch_upsert_from([names[i] for i in idx], [ptrs[i] for i in idx],
@@ -189,9 +197,8 @@ class _MooncakeIO(_GenericIO):
             return codes
         return [int(x) for x in self.store.batch_put_from(names, ptrs, sizes)]
 
-    def get(self, names, rows):
-        ptrs = [int(r.data_ptr()) for r in rows]
-        sizes = [int(r.numel()) for r in rows]
+    def get(self, names, staging):
+        ptrs, sizes = self._ptrs(staging)
         return [int(x) for x in self.store.batch_get_into(names, ptrs, sizes)]
 
     def remove(self, names):
@@ -324,7 +331,7 @@ class HiCacheStorageTier(KVTier):
         rows = max(1, int(staging_mb * (1 << 20)) // self.obj_nbytes)
         self._staging = torch.zeros((rows, self.obj_nbytes), dtype=torch.uint8)
         self._np = self._staging.numpy()
-        self._rows = [self._staging[i] for i in range(rows)]
+        self._cap = rows
         try:
             self._io.prepare(self._staging)
         except Exception as e:  # noqa: BLE001
@@ -453,7 +460,7 @@ class HiCacheStorageTier(KVTier):
         try:
             self._c["puts"] += 1
             done = 0
-            cap = len(self._rows)
+            cap = self._cap
             while done < n and self._ready():
                 m = min(cap, n - done)
                 sl = slice(done, done + m)
@@ -466,7 +473,7 @@ class HiCacheStorageTier(KVTier):
                 self._np[:m, HDR:] = src[sl]
                 replace = [self._quarantined(nm) for nm in part]
                 t0 = time.perf_counter()
-                codes = self._codes_ok("put", self._call("put", self._io.put, part, self._rows[:m], replace), m, ())
+                codes = self._codes_ok("put", self._call("put", self._io.put, part, self._staging[:m], replace), m, ())
                 if codes is None:
                     break
                 k = 0
@@ -503,7 +510,7 @@ class HiCacheStorageTier(KVTier):
         try:
             self._c["gets"] += 1
             done = 0
-            cap = len(self._rows)
+            cap = self._cap
             while done < n:
                 m = min(cap, n - done)
                 part = names[done:done + m]
@@ -516,7 +523,7 @@ class HiCacheStorageTier(KVTier):
                     break
                 part = part[:lead]
                 t0 = time.perf_counter()
-                codes = self._codes_ok("get", self._call("get", self._io.get, part, self._rows[:lead]), lead,
+                codes = self._codes_ok("get", self._call("get", self._io.get, part, self._staging[:lead]), lead,
                                        (_MC_NOT_FOUND, _MC_BUFFER_TOO_SMALL))
                 if codes is None:
                     break

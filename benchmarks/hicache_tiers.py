@@ -32,9 +32,8 @@ SIZES = ((256, 4096), (64 << 10, 256), (1 << 20, 64))  # (page bytes, pages): 25
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from flexflow_sglang.tools.server_utils import find_free_port
+    return find_free_port()
 
 
 def start_master(log_dir):

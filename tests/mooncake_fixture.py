@@ -34,9 +34,9 @@ def need_mooncake() -> None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # below the ephemeral range: the master binds it after a start-up delay (see find_free_port)
+    from flexflow_sglang.tools.server_utils import find_free_port
+    return find_free_port()
 
 
 class MooncakeMaster:

@@ -54,8 +54,44 @@ class ServerStartError(FlexFlowError, RuntimeError):
     """The SGLang server exited or did not become ready in time (message holds the log tail)."""
 
 
+#: fallback when /proc/sys/net/ipv4/ip_local_port_range cannot be read (Linux's default)
+_DEFAULT_EPHEMERAL = (32768, 60999)
+#: lowest port handed out; below the ephemeral range there are ~22k candidates on Linux defaults
+_LOWEST_FIXED_PORT = 10000
+
+
+def _ephemeral_range() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice for port 0)."""
+    """A TCP port that was free a moment ago, chosen *below* the kernel's ephemeral range.
+
+    Why not the kernel's choice for port 0: a server binds its port seconds after it is picked
+    (SGLang binds its HTTP port only after the scheduler is up), and meanwhile every ``bind(0)`` and
+    outgoing ``connect`` in the machine draws from the ephemeral range - NIXL/UCX listeners, tier
+    servers, client sockets. CI once lost a server that way: another listener took the picked port,
+    accepted SGLang's own post-warm-up request, and uvicorn's bind failed (exit 3). A random port
+    below that range is only ever taken by another explicit pick. Falls back to ``bind(0)`` when the
+    range leaves no room below it."""
+    import random
+    low, _ = _ephemeral_range()
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    if low - _LOWEST_FIXED_PORT >= 1000:
+        for _ in range(200):
+            port = rng.randrange(_LOWEST_FIXED_PORT, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))

@@ -45,17 +45,33 @@ def test_outputs_identical_and_host_hits(case, plain_baselines, tiny_model, star
 
 def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_server, tmp_path):
     """Host tier (1024 tokens) far below the working set (~10k tokens): eviction and load-back
-    interleave under 4 concurrent clients; outputs must still byte-equal the baseline."""
+    interleave under 4 concurrent clients. Every prefix the forward pass read after a host load must
+    equal, byte for byte, the device KV of the same tokens; no request may fail.
+
+    Outputs are reported, not judged: on CPU the float16 GEMMs are not batch-invariant, so a prompt
+    prefilled next to different neighbours can flip a near-tie with no backend at all (CI saw
+    medium-1 token 6, 234 vs 277, between an R2 and an R2d that both recomputed from 1 cached
+    token; the plain server with page 4 + chunking flips the same token). The KV dump is where the
+    backend's promise can be checked regardless of batch composition (docs/correctness.md)."""
+    from server_helpers import compare_kv_dumps
+    dump = tmp_path / "kv"
     cfg = write_config(tmp_path, "small", host_tier={"capacity_tokens": 1024})
     srv = start_server(tiny_model, name="flexflow-small", radix_cache_backend="flexflow", flexflow_config=cfg,
-                       max_total_tokens=MAX_TOTAL_TOKENS, extra_args=["--enable-metrics"])
+                       max_total_tokens=MAX_TOTAL_TOKENS, extra_args=["--enable-metrics"],
+                       env={"FLEXFLOW_KV_DUMP_DIR": str(dump)})
     report = str(tmp_path / "report.json")
     rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", PROMPTS,
                                       "--baseline", plain_baseline, "--concurrency", "4", "--no-host-hit",
                                       "--out", report)
-    assert rc == 0 and last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
+    assert rc in (0, 1) and re.fullmatch(r"Total mismatches: \d+", last or ""), stdout + stderr + srv.tail_log()
+    assert "request failed" not in stdout and "failed:" not in stdout, stdout + srv.tail_log()
+    print(f"small host tier, concurrency 4: {last} against the sequential baseline (batch-composition "
+          "drift, not judged)")
     hits = [int(x) for x in re.findall(r"R2 cached=\d+ \(device \d+, host (\d+)\)", stdout)]
     assert hits and any(h > 0 for h in hits), stdout  # some repeats still came from the host tier
+    kv = compare_kv_dumps(dump)
+    assert kv["mismatched"] == 0, kv["details"]
+    assert kv["compared"] >= 1, kv  # at least one host-loaded prefix had a device twin to compare with
     m = flexflow_metrics(srv.url, until=lambda m: any(v > 0 for k, v in m.items() if "evict" in k))
     evicted = [v for k, v in m.items() if "evict" in k]
     assert evicted and max(evicted) > 0, m

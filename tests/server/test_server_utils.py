@@ -104,12 +104,42 @@ def test_build_env(tmp_path, monkeypatch):
     assert "SGLANG_CPU_OMP_THREADS_BIND" not in gpu
 
 
-def test_free_port_is_bindable():
+def test_free_port_is_bindable_and_outside_the_ephemeral_range():
+    """A picked port is bound seconds later; the kernel's bind(0)/connect never hand out a port
+    below the ephemeral range, so another process cannot take it in between (CI saw that race)."""
     import socket
 
-    port = find_free_port()
+    from flexflow_sglang.tools.server_utils import _ephemeral_range
+
+    low, _ = _ephemeral_range()
+    ports = {find_free_port() for _ in range(20)}
+    assert len(ports) > 1  # random picks, not one fixed port for every caller
+    for port in ports:
+        assert 10000 <= port < low, (port, low)
     with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
+        s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    import random
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", find_free_port()))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]] * 5 + [None])
+
+    real = random.Random.randrange
+
+    def rigged(self, a, b):
+        p = next(picks)
+        return p if p is not None else real(self, a, b)
+
+    monkeypatch.setattr(random.Random, "randrange", rigged)
+    try:
+        assert find_free_port() != taken.getsockname()[1]
+    finally:
+        taken.close()
 
 
 def test_crash_during_startup_reports_log_tail(tmp_path):

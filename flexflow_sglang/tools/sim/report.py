@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -145,23 +145,32 @@ def _plt():
     return plt
 
 
-def plot_all(results: Sequence[dict], img_dir: str, prefix: str = "sim") -> List[str]:
-    os.makedirs(img_dir, exist_ok=True)
-    plt = _plt()
-    files = []
-    machines = [m for m in MACHINES if any(r["machine"] == m for r in results)]
-    loads = [l for l in LOADS if any(r["load"] == l for r in results)]
+def _save(plt, fig, img_dir: str, name: str) -> str:
+    """Lay out, write `img_dir/name` (110 dpi), close the figure; returns the path."""
+    fig.tight_layout()
+    f = os.path.join(img_dir, name)
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    return f
 
-    # 1. heatmaps: geomean speedup over payloads per machine x load
+
+def _speedup_grid(results: Sequence[dict], policy: str, machines: List[str], loads: List[str]) -> np.ndarray:
+    """Geomean speedup over payloads of `policy`, machines x loads (nan where nothing ran)."""
+    M = np.full((len(machines), len(loads)), np.nan)
+    for i, m in enumerate(machines):
+        for j, l in enumerate(loads):
+            M[i, j] = geomean([r["policies"][policy]["speedup"] for r in results
+                               if r["machine"] == m and r["load"] == l])
+    return M
+
+
+def _plot_speedup_heatmap(plt, results, machines, loads, img_dir: str, prefix: str) -> str:
+    """1. heatmaps: geomean speedup over payloads per machine x load, one panel per policy."""
     pols = ("adaptive", "adaptive-nosplit", "oracle")
     fig, axes = plt.subplots(1, len(pols), figsize=(4.2 * len(pols), 0.45 * len(machines) + 1.8), sharey=True)
     for ax, p in zip(np.atleast_1d(axes), pols):
-        M = np.full((len(machines), len(loads)), np.nan)
-        for i, m in enumerate(machines):
-            for j, l in enumerate(loads):
-                M[i, j] = geomean([r["policies"][p]["speedup"] for r in results
-                                   if r["machine"] == m and r["load"] == l])
-        im = ax.imshow(np.log2(M), cmap="RdYlGn", vmin=-2, vmax=2, aspect="auto")
+        M = _speedup_grid(results, p, machines, loads)
+        ax.imshow(np.log2(M), cmap="RdYlGn", vmin=-2, vmax=2, aspect="auto")
         for i in range(len(machines)):
             for j in range(len(loads)):
                 if np.isfinite(M[i, j]):
@@ -169,37 +178,34 @@ def plot_all(results: Sequence[dict], img_dir: str, prefix: str = "sim") -> List
         ax.set_xticks(range(len(loads)), loads, rotation=30, ha="right")
         ax.set_yticks(range(len(machines)), machines)
         ax.set_title(f"{p} speedup vs always-direct")
-    fig.tight_layout()
-    f = os.path.join(img_dir, f"{prefix}_speedup_heatmap.png")
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f)
+    return _save(plt, fig, img_dir, f"{prefix}_speedup_heatmap.png")
 
-    # 2. flexFlow shape: 4xA100 box, idle and hot, speedup vs payload
+
+def _plot_flexflow_shape(plt, results, img_dir: str, prefix: str) -> Optional[str]:
+    """2. flexFlow's shape: the 4xA100 box, idle and hot, speedup vs payload (None: no such runs)."""
     fx = [r for r in results if r["machine"] == "dgx-a100" and r["load"] in ("idle", "hot")]
-    if fx:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-        for ax, l in zip(axes, ("idle", "hot")):
-            rs = sorted([r for r in fx if r["load"] == l], key=lambda r: r["payload_mib"])
-            xs = [r["payload_mib"] for r in rs]
-            for p, st in (("adaptive", "o-"), ("adaptive-nosplit", "s-"), ("oracle", "k--")):
-                ax.plot(xs, [r["policies"][p]["speedup"] for r in rs], st, label=p)
-            if l == "hot":
-                ax.axhline(1.88, color="grey", ls=":", label="flexFlow 1.88x")
-            ax.axhline(1.0, color="grey", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("KV payload (MiB)")
-            ax.set_title(f"4xA100 NVLink, {l}" + (" (GPU0-GPU1 at 85%)" if l == "hot" else ""))
-            ax.grid(alpha=0.3)
-        axes[0].set_ylabel("speedup vs always-direct")
-        axes[1].legend(fontsize=8)
-        fig.tight_layout()
-        f = os.path.join(img_dir, f"{prefix}_flexflow_shape.png")
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(f)
+    if not fx:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, l in zip(axes, ("idle", "hot")):
+        rs = sorted([r for r in fx if r["load"] == l], key=lambda r: r["payload_mib"])
+        xs = [r["payload_mib"] for r in rs]
+        for p, st in (("adaptive", "o-"), ("adaptive-nosplit", "s-"), ("oracle", "k--")):
+            ax.plot(xs, [r["policies"][p]["speedup"] for r in rs], st, label=p)
+        if l == "hot":
+            ax.axhline(1.88, color="grey", ls=":", label="flexFlow 1.88x")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV payload (MiB)")
+        ax.set_title(f"4xA100 NVLink, {l}" + (" (GPU0-GPU1 at 85%)" if l == "hot" else ""))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speedup vs always-direct")
+    axes[1].legend(fontsize=8)
+    return _save(plt, fig, img_dir, f"{prefix}_flexflow_shape.png")
 
-    # 3. adaptive / oracle per scenario (hollow: the adaptive run caused QoS violations the oracle avoided)
+
+def _plot_vs_oracle(plt, results, machines, loads, img_dir: str, prefix: str) -> str:
+    """3. adaptive / oracle per scenario (hollow: the adaptive run caused QoS violations the oracle avoided)."""
     fig, ax = plt.subplots(figsize=(10, 3.8))
     colors = dict(zip(LOADS, ("tab:green", "tab:red", "tab:purple", "tab:blue", "tab:orange", "tab:brown")))
     for k, l in enumerate(loads):
@@ -220,31 +226,41 @@ def plot_all(results: Sequence[dict], img_dir: str, prefix: str = "sim") -> List
                  "oracle did not)", fontsize=9)
     ax.legend(fontsize=8, ncol=len(loads))
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    f = os.path.join(img_dir, f"{prefix}_vs_oracle.png")
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f)
+    return _save(plt, fig, img_dir, f"{prefix}_vs_oracle.png")
 
-    # 4. QoS violations per load and policy
+
+def _qos_violation_pct(results: Sequence[dict], policy: str, load: str) -> float:
+    """Percentage of `policy`'s transfers under `load` (all machines, payloads) with a QoS violation."""
+    rs = [r for r in results if r["load"] == load]
+    v = sum(r["policies"][policy]["qos_violations"] for r in rs)
+    n = sum(r["policies"][policy]["n"] for r in rs)
+    return 100.0 * v / max(n, 1)
+
+
+def _plot_qos(plt, results, loads, img_dir: str, prefix: str) -> str:
+    """4. QoS violations per load and policy."""
     pols = [p for p in POLICY_ORDER if p in results[0]["policies"]]
     fig, ax = plt.subplots(figsize=(9, 3.4))
     w = 0.8 / len(pols)
     for k, p in enumerate(pols):
-        fr = []
-        for l in loads:
-            rs = [r for r in results if r["load"] == l]
-            v = sum(r["policies"][p]["qos_violations"] for r in rs)
-            n = sum(r["policies"][p]["n"] for r in rs)
-            fr.append(100.0 * v / max(n, 1))
+        fr = [_qos_violation_pct(results, p, l) for l in loads]
         ax.bar(np.arange(len(loads)) + (k - (len(pols) - 1) / 2) * w, fr, w, label=p)
     ax.set_xticks(range(len(loads)), loads)
     ax.set_ylabel("% transfers with a QoS violation")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    f = os.path.join(img_dir, f"{prefix}_qos.png")
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f)
-    return files
+    return _save(plt, fig, img_dir, f"{prefix}_qos.png")
+
+
+def plot_all(results: Sequence[dict], img_dir: str, prefix: str = "sim") -> List[str]:
+    """The run's four figures under `img_dir` (`<prefix>_speedup_heatmap`, `_flexflow_shape` when the
+    4xA100 box ran idle or hot, `_vs_oracle`, `_qos`); returns their paths in that order."""
+    os.makedirs(img_dir, exist_ok=True)
+    plt = _plt()
+    machines = [m for m in MACHINES if any(r["machine"] == m for r in results)]
+    loads = [l for l in LOADS if any(r["load"] == l for r in results)]
+    files = [_plot_speedup_heatmap(plt, results, machines, loads, img_dir, prefix),
+             _plot_flexflow_shape(plt, results, img_dir, prefix),
+             _plot_vs_oracle(plt, results, machines, loads, img_dir, prefix),
+             _plot_qos(plt, results, loads, img_dir, prefix)]
+    return [f for f in files if f is not None]

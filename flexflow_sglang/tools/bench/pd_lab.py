@@ -31,7 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List
 
 from . import nearest_rank
 from .contention.netlab import rate_bps
@@ -111,7 +112,30 @@ def _write_cfg(path: str, policy: str, rails: List[str], link_bps: float) -> str
     return path
 
 
+#: environment of both servers' UCX/NIXL (each adds its rail devices and host address)
+UCX_ENV = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+
+
+@dataclass
+class _InnerLab:
+    """What the steps of one inner run share: the lab spec, the servers' class, the helpers
+    `run_inner` imported, the decode server and sink channel once up, and the prompts not sent yet."""
+    args: Any
+    spec: dict
+    out_dir: str
+    link_bps: float
+    server_cls: Any
+    pd_generate: Callable
+    load_trace: Callable
+    find_free_port: Callable
+    decode: Any = None
+    sink_ch: Any = None
+    prompts: Iterator[str] = field(default_factory=lambda: iter(()))
+
+
 def run_inner(args, spec: dict) -> int:
+    """Inside namespace c: the decode server and the traffic sink stay up; per policy a prefill server
+    runs every load cell (_run_policy); then pd.json, the table and the figure (_write_report)."""
     from tqdm import tqdm
 
     from flexflow_sglang.pd.router import pd_generate
@@ -119,89 +143,123 @@ def run_inner(args, spec: dict) -> int:
     from flexflow_sglang.tools.server_utils import find_free_port
     from .contention.channel import ParentChannel
 
-    Server = _ns_server_class()
-    out_dir = os.path.abspath(args.out)
-    link_bps = rate_bps(args.rate)
-    ns = spec["ns"]
-    base_env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error",
-                "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    dec_cfg = _write_cfg(os.path.join(out_dir, "decode.yaml"), "primary", [], link_bps)
-    # ports are picked here (namespace c): the servers' namespaces are fresh, nothing else listens there
-    decode = Server(ns["d"], spec["model"], os.path.join(out_dir, "decode.log"), host=spec["decode_host"],
-                    port=find_free_port(),
-                    flexflow_config=dec_cfg, max_total_tokens=args.max_total_tokens, timeout=600,
-                    env=dict(base_env, UCX_NET_DEVICES=",".join(spec["rails_d"]),
-                             SGLANG_HOST_IP=spec["decode_host"]),
-                    extra_args=["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
-                                "--disaggregation-decode-host-receive-threshold", "1",
-                                "--disaggregation-decode-retraction-backup", "cpu_tensor"])
-    sink = subprocess.Popen(["ip", "netns", "exec", ns["d"], sys.executable, "-m",
-                             "flexflow_sglang.tools.bench.contention.traffic", "sink", str(UDP_PORT), str(TCP_PORT)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    sink_ch = ParentChannel(sink, "sink")
-    sink_ch.recv(timeout=60)
+    lab = _InnerLab(args, spec, os.path.abspath(args.out), rate_bps(args.rate), _ns_server_class(),
+                    pd_generate, load_trace, find_free_port)
+    lab.decode = _decode_server(lab)
+    sink, lab.sink_ch = _start_sink(spec["ns"]["d"], ParentChannel)
     loads = [x.strip() for x in args.loads.split(",") if x.strip()]
-    prompts = make_prompts((args.requests * len(loads) + args.warmup) * len(args.policies), args.words, args.seed)
+    lab.prompts = iter(make_prompts((args.requests * len(loads) + args.warmup) * len(args.policies),
+                                    args.words, args.seed))
     results: Dict[str, dict] = {}
-    decode.start()
+    lab.decode.start()
     try:
-        decode.wait_ready()
+        lab.decode.wait_ready()
         bar = tqdm(total=len(args.policies) * len(loads) * args.requests, desc="pd requests", unit="req",
                    file=sys.stderr)
-        pi = 0
         for policy in args.policies:
-            trace = os.path.join(out_dir, f"trace-{policy}.jsonl")
-            if os.path.exists(trace):
-                os.unlink(trace)
-            bport = find_free_port()
-            cfg = _write_cfg(os.path.join(out_dir, f"prefill-{policy}.yaml"), policy, spec["rails_p"], link_bps)
-            prefill = Server(ns["p"], spec["model"], os.path.join(out_dir, f"prefill-{policy}.log"),
-                             host=spec["prefill_host"], port=find_free_port(), flexflow_config=cfg,
-                             max_total_tokens=args.max_total_tokens,
-                             timeout=600, env=dict(base_env, UCX_NET_DEVICES=",".join(spec["rails_p"]),
-                                                   SGLANG_HOST_IP=spec["prefill_host"], FLEXFLOW_PD_TRACE=trace),
-                             extra_args=["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-                                         "nixl", "--disaggregation-bootstrap-port", str(bport)])
-            prefill.start()
-            try:
-                prefill.wait_ready()
-                body = {"sampling_params": {"temperature": 0, "max_new_tokens": args.max_new_tokens,
-                                            "ignore_eos": True}}
-                for _ in range(args.warmup):  # connection set-up, first-use allocations
-                    pd_generate(prefill.url, decode.url, spec["prefill_host"], bport, dict(body, text=prompts[pi]))
-                    pi += 1
-                n_warm = len(load_trace(trace)) if os.path.exists(trace) else 0
-                for load in loads:
-                    bg = _start_background(ns["p"], spec["d_rail0_addr"], load, link_bps)
-                    time.sleep(args.settle_s)
-                    t_start = time.monotonic()
-                    lat, outs = [], []
-                    for _ in range(args.requests):
-                        t0 = time.perf_counter()
-                        r = pd_generate(prefill.url, decode.url, spec["prefill_host"], bport,
-                                        dict(body, text=prompts[pi]))
-                        lat.append(time.perf_counter() - t0)
-                        outs.append(r.get("meta_info", {}).get("prompt_tokens"))
-                        pi += 1
-                        bar.update(1)
-                    t_end = time.monotonic()
-                    _stop(bg)
-                    time.sleep(0.3)
-                    recs = load_trace(trace)[n_warm:]
-                    n_warm += len(recs)
-                    ser = sink_ch.call(op="series", since=t_start - 0.01, trim=True)["series"]
-                    results[f"{policy}/{load}"] = _summarise(policy, load, lat, recs, outs, ser, t_start, t_end,
-                                                             link_bps)
-            finally:
-                prefill.stop()
+            _run_policy(lab, policy, loads, bar, results)
         bar.close()
     finally:
-        decode.stop()
-        try:
-            sink_ch.send(op="quit")
-        except Exception:
-            pass
-        sink.kill()
+        lab.decode.stop()
+        _stop_sink(sink, lab.sink_ch)
+    _write_report(args, lab.out_dir, loads, results)
+    return 0
+
+
+def _decode_server(lab: _InnerLab):
+    """The decode server (not started), in namespace d, its KV on both rail devices."""
+    spec, args = lab.spec, lab.args
+    cfg = _write_cfg(os.path.join(lab.out_dir, "decode.yaml"), "primary", [], lab.link_bps)
+    # ports are picked here (namespace c): the servers' namespaces are fresh, nothing else listens there
+    return lab.server_cls(spec["ns"]["d"], spec["model"], os.path.join(lab.out_dir, "decode.log"),
+                          host=spec["decode_host"], port=lab.find_free_port(),
+                          flexflow_config=cfg, max_total_tokens=args.max_total_tokens, timeout=600,
+                          env=dict(UCX_ENV, UCX_NET_DEVICES=",".join(spec["rails_d"]),
+                                   SGLANG_HOST_IP=spec["decode_host"]),
+                          extra_args=["--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "nixl",
+                                      "--disaggregation-decode-host-receive-threshold", "1",
+                                      "--disaggregation-decode-retraction-backup", "cpu_tensor"])
+
+
+def _prefill_server(lab: _InnerLab, policy: str, trace: str, bport: int):
+    """The prefill server of `policy` (not started), in namespace p, writing its KV chunks to `trace`."""
+    spec, args = lab.spec, lab.args
+    cfg = _write_cfg(os.path.join(lab.out_dir, f"prefill-{policy}.yaml"), policy, spec["rails_p"], lab.link_bps)
+    return lab.server_cls(spec["ns"]["p"], spec["model"], os.path.join(lab.out_dir, f"prefill-{policy}.log"),
+                          host=spec["prefill_host"], port=lab.find_free_port(), flexflow_config=cfg,
+                          max_total_tokens=args.max_total_tokens,
+                          timeout=600, env=dict(UCX_ENV, UCX_NET_DEVICES=",".join(spec["rails_p"]),
+                                                SGLANG_HOST_IP=spec["prefill_host"], FLEXFLOW_PD_TRACE=trace),
+                          extra_args=["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
+                                      "nixl", "--disaggregation-bootstrap-port", str(bport)])
+
+
+def _start_sink(ns: str, channel_cls):
+    """The background traffic's sink in namespace `ns`, once it said it is ready: (process, channel)."""
+    sink = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m",
+                             "flexflow_sglang.tools.bench.contention.traffic", "sink", str(UDP_PORT), str(TCP_PORT)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ch = channel_cls(sink, "sink")
+    ch.recv(timeout=60)
+    return sink, ch
+
+
+def _stop_sink(sink, ch) -> None:
+    try:
+        ch.send(op="quit")
+    except Exception:
+        pass
+    sink.kill()
+
+
+def _run_policy(lab: _InnerLab, policy: str, loads: List[str], bar, results: Dict[str, dict]) -> None:
+    """One prefill server for `policy`: warm-up requests, then one cell per load into `results`."""
+    args, host = lab.args, lab.spec["prefill_host"]
+    trace = os.path.join(lab.out_dir, f"trace-{policy}.jsonl")
+    if os.path.exists(trace):
+        os.unlink(trace)
+    bport = lab.find_free_port()
+    prefill = _prefill_server(lab, policy, trace, bport)
+    prefill.start()
+    try:
+        prefill.wait_ready()
+        body = {"sampling_params": {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}}
+        for _ in range(args.warmup):  # connection set-up, first-use allocations
+            lab.pd_generate(prefill.url, lab.decode.url, host, bport, dict(body, text=next(lab.prompts)))
+        n_warm = len(lab.load_trace(trace)) if os.path.exists(trace) else 0
+        for load in loads:
+            results[f"{policy}/{load}"], n = _measure_cell(lab, prefill, bport, body, trace, n_warm, policy,
+                                                           load, bar)
+            n_warm += n
+    finally:
+        prefill.stop()
+
+
+def _measure_cell(lab: _InnerLab, prefill, bport: int, body: dict, trace: str, n_seen: int, policy: str,
+                  load: str, bar):
+    """`args.requests` requests under background `load`: (the cell's summary, its KV chunks in the
+    trace after the first `n_seen`)."""
+    args, host = lab.args, lab.spec["prefill_host"]
+    bg = _start_background(lab.spec["ns"]["p"], lab.spec["d_rail0_addr"], load, lab.link_bps)
+    time.sleep(args.settle_s)
+    t_start = time.monotonic()
+    lat, outs = [], []
+    for _ in range(args.requests):
+        t0 = time.perf_counter()
+        r = lab.pd_generate(prefill.url, lab.decode.url, host, bport, dict(body, text=next(lab.prompts)))
+        lat.append(time.perf_counter() - t0)
+        outs.append(r.get("meta_info", {}).get("prompt_tokens"))
+        bar.update(1)
+    t_end = time.monotonic()
+    _stop(bg)
+    time.sleep(0.3)
+    recs = lab.load_trace(trace)[n_seen:]
+    ser = lab.sink_ch.call(op="series", since=t_start - 0.01, trim=True)["series"]
+    return _summarise(policy, load, lat, recs, outs, ser, t_start, t_end, lab.link_bps), len(recs)
+
+
+def _write_report(args, out_dir: str, loads: List[str], results: Dict[str, dict]) -> None:
+    """pd.json (cells, ratios, the command), the table on stdout, pd.png unless --no-plot."""
     doc = {"rate": args.rate, "requests": args.requests, "words": args.words, "loads": loads,
            "policies": list(args.policies), "model": MODEL_ARGS, "results": results,
            "ratios": _ratios(results, args.policies, loads),
@@ -211,7 +269,6 @@ def run_inner(args, spec: dict) -> int:
     print(format_table(doc))
     if args.plot:
         _plot(doc, os.path.join(out_dir, "pd.png"))
-    return 0
 
 
 def _start_background(ns: str, dst: str, load: str, link_bps: float):

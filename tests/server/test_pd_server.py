@@ -87,7 +87,7 @@ def test_pd_primary_policy_and_routing_off(nixl_ok, plain_baseline, tiny_model, 
     bport = find_free_port()
     prefill, decode = _start_pd(start_server, tiny_model, cfg, bport)
     rc, stdout, stderr, last = verify("--phase", "test", "--url", decode.url, "--prompts", PROMPTS,
-                                      "--baseline", plain_baseline, "--no-host-hit", "--concurrency", "3",
+                                      "--baseline", plain_baseline, "--no-host-hit",
                                       "--pd-prefill", prefill.url, "--pd-bootstrap", str(bport))
     assert rc == 0 and last == "Total mismatches: 0", stdout + stderr + prefill.tail_log() + decode.tail_log()
     m = flexflow_metrics(prefill.url, until=lambda m: m.get("flexflow_pd_chunks", 0) >= 28)

@@ -68,17 +68,18 @@ def test_baseline_records_every_prompt(baseline):
 
 
 def test_second_baseline_run_is_identical(plain_server, baseline, tmp_path):
-    """Greedy determinism: a second baseline (concurrent this time, on a warm server) gives the
-    same output_ids and text for every prompt."""
+    """Greedy determinism: a second baseline (on a warm server) gives the same output_ids and text
+    for every prompt. Sequential, like the first: on CPU the float16 GEMMs are not batch-invariant,
+    so prompts batched with different neighbours may flip a near-tie (medium-1 token 6 did in CI);
+    that is SGLang's behaviour, not something this test can promise."""
     out = tmp_path / "again.json"
     proc = _verify(plain_server.url, "--phase", "baseline", "--prompts", str(PROMPTS_FILE),
-                   "--out", str(out), "--max-new-tokens", str(MAX_NEW), "--concurrency", "4")
+                   "--out", str(out), "--max-new-tokens", str(MAX_NEW))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     first = json.loads(baseline.read_text())["prompts"]
     second = json.loads(out.read_text())["prompts"]
-    # How much of each prompt the device tree held (cached_tokens & co) depends on which prompts ran
-    # side by side (a family's members racing at concurrency 4 share nothing yet), so only what greedy
-    # decoding promises is compared: the prompt, and R1's and R2's tokens and text.
+    # How much of each prompt the device tree held (cached_tokens & co) depends on what the warm
+    # server's tree still holds from earlier rounds, so only what greedy decoding promises is compared: the prompt, and R1's and R2's tokens and text.
     assert sorted(second) == sorted(first)
     for name in first:
         a, b = _outputs(first[name]), _outputs(second[name])
@@ -93,9 +94,10 @@ def _outputs(entry: dict) -> dict:
 
 
 def test_test_phase_against_plain_server_without_host_requirement(plain_server, baseline):
-    """R1 (device cache warm or cold) and R2 (after a flush) equal the baseline."""
+    """R1 (device cache warm or cold) and R2 (after a flush) equal the baseline (sequential: see
+    test_second_baseline_run_is_identical for why not concurrent)."""
     proc = _verify(plain_server.url, "--phase", "test", "--prompts", str(PROMPTS_FILE),
-                   "--baseline", str(baseline), "--no-host-hit", "--concurrency", "4")
+                   "--baseline", str(baseline), "--no-host-hit")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _last_line(proc) == "Total mismatches: 0"
     assert proc.stdout.count("[ok  ]") == len(vo.load_prompts(str(PROMPTS_FILE)))

@@ -167,6 +167,7 @@ class FlexFlowRadixCache(RadixCache):
             self.connector.poll()
             self._drain()
             self.connector.clear()
+            self._key_memo.clear()  # keys computed with the seed clear() just rotated
 
     # ================================================================= match / load back
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:

@@ -665,11 +665,16 @@ class FlexFlowConnector:
             self._m["stores_cancelled"] += 1
 
     def clear(self) -> None:
-        """Forget every held page in every tier (e.g. after a weight update: the KV is stale).
+        """Forget every held page in every tier (e.g. after a weight update: the KV is stale) and
+        rotate the page-key seed, so a tier that keeps its pages can no longer serve them here.
         Queued jobs are cancelled and running ones awaited (bounded by the tiers' own timeouts),
         so no stale page lands in a tier after it was cleared."""
         self.reset()
         self._gen += 1
+        # Storage, remote and external stores may not be emptied (another server's copies live
+        # there too, or the tier cannot enumerate): new keys from now on, so no page stored before
+        # the clear can be found again by this process. Every rank clears on the same weight update.
+        self._seed = hashlib.blake2b(self._seed + b"cleared", digest_size=KEY_BYTES).digest()
         self.engine.cancel_queued()
         if not self.engine.drain(timeout=30.0):
             logger.warning("flexflow: transfer jobs still running while the tiers are cleared")

@@ -214,3 +214,26 @@ def test_remote_tier_is_routed_through_the_engine(conns):
     finally:
         t2.close()
     assert remote_from_config(rc)._router is None  # no selector: unrouted, as before
+
+
+def test_clear_rotates_keys_so_a_tier_that_keeps_pages_cannot_serve_them(conns):
+    """A weight update: the storage / remote / external tiers are not emptied (another server's
+    pages live there, or the tier cannot enumerate), so clear() must make their pages unreachable."""
+    class Keeping(InMemoryTier):
+        def clear(self):
+            pass  # like StorageTier / RemoteTier / HiCacheStorageTier
+
+    kv = mha(ps=1)
+    tier = Keeping("kept", "nvme0")
+    tier.write_through = True
+    c = conns(kv, cfg(host_tokens=8), [tier])
+    tokens = list(range(40, 48))
+    old = c.page_keys(tokens)
+    assert c.store(old, rand_slots(8, 1, 21)).ok and c.drain(5)
+    assert c.lookup(old, deep=True) == 8 and tier.contains_prefix(old) == 8
+    c.clear()
+    new = c.page_keys(tokens)
+    assert new != old and not set(new) & set(old)
+    assert tier.contains_prefix(old) == 8  # the stale pages are still in the tier ...
+    assert c.lookup(new, deep=True) == 0  # ... but no lookup of these tokens reaches them
+    assert not c.load(new, rand_slots(8, 1, 22)).ok

@@ -583,8 +583,8 @@ class HiCacheStorageTier(KVTier):
 
     def clear(self) -> None:
         """After a weight update the pages are stale for this server, but the store is shared with
-        other servers (which may run the old weights): nothing is removed from the backend; the new
-        fingerprint (a new model revision) keys new objects."""
+        other servers (which may run the old weights): nothing is removed from the backend. The
+        connector rotates its page-key seed on clear(), so this server never asks for them again."""
 
     def stats(self) -> dict:
         c = dict(self._c)

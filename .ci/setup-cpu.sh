@@ -15,7 +15,7 @@ LOG="${FLEXFLOW_SETUP_LOG:-$(cd "$VENV" && pwd)/setup.log}"
 : > "$LOG"
 echo "flexflow CPU set-up into $VENV (full log: $LOG)"
 
-step() {  # step LABEL COMMAND...: run it with its output in $LOG; one line here
+run_logged() {  # run_logged LABEL COMMAND...: one line here ("ok" on success), output in $LOG; its status
   local label="$1" t=$SECONDS rc=0
   shift
   printf '  %-58s ' "$label"
@@ -23,6 +23,14 @@ step() {  # step LABEL COMMAND...: run it with its output in $LOG; one line here
   "$@" >> "$LOG" 2>&1 || rc=$?
   if [ "$rc" -eq 0 ]; then
     echo "ok ($((SECONDS - t)) s)"
+  fi
+  return "$rc"
+}
+
+step() {  # step LABEL COMMAND...: run_logged; a failure prints its cause and ends the set-up
+  local label="$1" rc=0
+  run_logged "$@" || rc=$?
+  if [ "$rc" -eq 0 ]; then
     return 0
   fi
   echo "FAILED (exit $rc)"
@@ -38,13 +46,9 @@ step() {  # step LABEL COMMAND...: run it with its output in $LOG; one line here
 }
 
 optional_step() {  # optional_step LABEL COMMAND...: like step, but a failure is one line and the set-up goes on
-  local label="$1" t=$SECONDS rc=0
-  shift
-  printf '  %-58s ' "$label"
-  echo "==== $label: $*" >> "$LOG"
-  "$@" >> "$LOG" 2>&1 || rc=$?
+  local label="$1" rc=0
+  run_logged "$@" || rc=$?
   if [ "$rc" -eq 0 ]; then
-    echo "ok ($((SECONDS - t)) s)"
     return 0
   fi
   echo "skipped (exit $rc: $(sed -n "/^==== $label: /,\$p" "$LOG" | grep -v '^====' | grep -v '^ *$' | tail -1 | cut -c1-80))"

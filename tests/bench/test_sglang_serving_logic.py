@@ -97,3 +97,6 @@ def test_summary_compares_the_shared_tier_with_per_rank_tiers():
     assert cmp_["tier_hit_ratio"] == pytest.approx((0.5 / 0.2 + 0.45 / 0.25) / 2)
     assert cmp_["mean_ttft_ms"] == pytest.approx((0.5 + 1.0) / 2)
     assert s["last_pass_tier_hit_ratio"] == {"per_rank": pytest.approx(0.225), "shared": pytest.approx(0.475)}
+    # the first pass (cold tiers) is compared on its own: per-rank 0.0 here gives no ratio
+    assert s["first_pass_shared_over_per_rank"]["tier_hit_ratio"] is None
+    assert s["first_pass_tier_hit_ratio"] == {"per_rank": 0.0, "shared": 0.0}

@@ -145,12 +145,13 @@ def run_backend(name: str, model: str, args) -> dict:
     return {"backend": name, "ran": True, "startup_s": server.startup_s, "passes": passes, "log": log}
 
 
-def _last_pass_ratios(results: List[dict], num: str, den: str, keys) -> Optional[dict]:
-    """Median over rounds (ABAB order) of backend `num` / backend `den` on the last pass, per key."""
+def _last_pass_ratios(results: List[dict], num: str, den: str, keys, pass_index: int = -1) -> Optional[dict]:
+    """Median over rounds (ABAB order) of backend `num` / backend `den` on one pass (default: the
+    last), per key."""
     rounds: Dict[int, Dict[str, dict]] = {}
     for r in results:
-        if r.get("ran"):
-            rounds.setdefault(r["round"], {})[r["backend"]] = r["passes"][-1]
+        if r.get("ran") and r["passes"]:
+            rounds.setdefault(r["round"], {})[r["backend"]] = r["passes"][pass_index]
     pairs = [(rd[den], rd[num]) for rd in rounds.values() if den in rd and num in rd]
     if not pairs:
         return None
@@ -164,7 +165,8 @@ def _last_pass_ratios(results: List[dict], num: str, den: str, keys) -> Optional
 
 
 def summarize(results: List[dict]) -> dict:
-    """flexflow / plain ratios of the last pass and, when both ran, shared / per-rank host tier."""
+    """flexflow / plain ratios of the last pass and, when both ran, shared / per-rank host tier on
+    the first pass (cold tiers) and the last."""
     out: dict = {}
     plain = _last_pass_ratios(results, "flexflow", "baseline",
                               ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "output_throughput",
@@ -174,13 +176,18 @@ def summarize(results: List[dict]) -> dict:
         out["last_pass_flexflow_over_plain"] = {k: v for k, v in plain.items() if k not in ("rounds", "values")}
         out["last_pass_cached_ratio"] = {"plain": plain["values"]["baseline"]["cached_ratio"],
                                          "flexflow": plain["values"]["flexflow"]["cached_ratio"]}
-    shared = _last_pass_ratios(results, "flexflow-shared", "flexflow",
-                               ("tier_hit_ratio", "cached_ratio", "mean_ttft_ms", "median_ttft_ms",
-                                "output_throughput"))
-    if shared:
-        out["last_pass_shared_over_per_rank"] = {k: v for k, v in shared.items() if k != "values"}
-        out["last_pass_tier_hit_ratio"] = {"per_rank": shared["values"]["flexflow"]["tier_hit_ratio"],
-                                           "shared": shared["values"]["flexflow-shared"]["tier_hit_ratio"]}
+    # Two views of shared vs per-rank tiers. The first pass starts with empty tiers: a group's later
+    # requests that SGLang's dispatcher sends to another rank than the one that computed the prefix
+    # miss a per-rank tier and hit the shared one (issue 17's case). Later passes repeat the same
+    # prompts: by then every per-rank tier has seen most prefixes, so the gap narrows.
+    for label, idx in (("first_pass", 0), ("last_pass", -1)):
+        shared = _last_pass_ratios(results, "flexflow-shared", "flexflow",
+                                   ("tier_hit_ratio", "cached_ratio", "mean_ttft_ms", "median_ttft_ms",
+                                    "output_throughput"), pass_index=idx)
+        if shared:
+            out[f"{label}_shared_over_per_rank"] = {k: v for k, v in shared.items() if k != "values"}
+            out[f"{label}_tier_hit_ratio"] = {"per_rank": shared["values"]["flexflow"]["tier_hit_ratio"],
+                                              "shared": shared["values"]["flexflow-shared"]["tier_hit_ratio"]}
     return out
 
 

@@ -28,6 +28,23 @@ cdef enum:
 
 cimport cython
 
+# one select()'s result (cost_model.CoreResult's fields; indices and shares of n <= 8 legs; a
+# single path's share is int(nbytes))
+ctypedef struct Result:
+    int kind
+    int n
+    int reason
+    int aux_link
+    int aux_path
+    bint qos
+    double bw
+    double est
+    double gain
+    double cost
+    double nbytes
+    int idx[8]
+    long long sh[8]
+
 @cython.final
 cdef class PairCore:
     cdef int n_paths
@@ -68,4 +85,4 @@ cdef class PairCore:
                           double* bw_out) noexcept nogil
     cdef double _pair_bound(self, int a, int b, double nbytes, bint ttft) noexcept nogil
     cdef bint _disjoint_with(self, int c, int* sel, int n) noexcept nogil
-    cdef tuple _select(self, double nbytes, bint ttft)
+    cdef bint _run(self, double nbytes, bint ttft, Result* res) noexcept nogil

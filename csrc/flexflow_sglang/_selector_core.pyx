@@ -13,6 +13,9 @@ Keep in lock-step with flexflow_sglang/selector/_core_py.py (same operations, sa
 
 cimport cython
 from libc.stdlib cimport malloc, free
+from cpython.object cimport PyObject, PyTypeObject
+from cpython.type cimport PyType_IsSubtype
+from cpython.dict cimport PyDict_GetItem
 
 # typed copies of the cost model's constants (flexflow_sglang/selector/cost_model.py; layout() below
 # returns them for tests/selector/test_cost_model.py, which checks they are equal)
@@ -243,19 +246,27 @@ cdef class PairCore:
         return True
 
     def select(self, double nbytes, bint ttft):
-        """-> (kind, indices, shares, ...) (see _select)"""
-        return self._select(nbytes, ttft)
-
-    def decide(self, request, paths, selector, bint ttft_default, cls):
-        """select() for `request` wrapped into `cls(request, paths, raw, selector)`: the whole
-        PathSelector.select hot path minus its table lookup, without a Python frame (issue 15:
-        reading the request and building the decision in Python cost ~0.4 us of 1.8)."""
-        cdef bint ttft = request.ttft_sensitive or ttft_default
-        return cls(request, paths, self._select(<double>request.data_bytes, ttft), selector)
-
-    cdef tuple _select(self, double nbytes, bint ttft):
         """-> (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost):
-        cost_model.CoreResult's layout, built as a plain tuple (a NamedTuple costs a Python call)"""
+        cost_model.CoreResult's layout as a plain tuple (None without candidates)"""
+        cdef Result r
+        if not self._run(nbytes, ttft, &r):
+            return None
+        return _result_tuple(&r)
+
+    def decide(self, request, paths, selector, bint ttft_default, type cls):
+        """select() for `request` wrapped into a `cls` decision (a DecisionBase subclass) for
+        `request`, `paths`, `selector`: PathSelector.select minus its table lookup."""
+        if not PyType_IsSubtype(cls, DecisionBase):
+            raise TypeError("PairCore.decide: cls must be a DecisionBase subclass")
+        cdef bint ttft = request.ttft_sensitive or ttft_default
+        return _decision(self, cls, request, paths, selector, <double>request.data_bytes, ttft)
+
+    cdef bint _run(self, double nbytes, bint ttft, Result* res) noexcept nogil:
+        """Scores, rules and split search for one request; the result in *res (laid out as
+        cost_model.CoreResult, see _result_tuple). False without candidates. No Python objects:
+        the caller allocates what it returns before, so nothing can run between the scoring and
+        the copy of its result (issue 15: the 11-item tuple, its floats and share ints were
+        ~0.15 us of every select; they are built on first access of PathDecision._raw)."""
         cdef int n = self.n_paths, p, i, j, best_dir = -1, best_ok = -1, best_all = -1, choose
         cdef int kind, reason = 0, aux_link = -1, aux_path = -1, qos_flag = 0, n_top = 0, nsel = 0
         cdef int max_split, c, best_c, t
@@ -264,8 +275,9 @@ cdef class PairCore:
         cdef long long rem, s0
         cdef int pair[8]
         cdef int trial[8]
+        res.nbytes = nbytes
         if n == 0:
-            return None
+            return False
         # runs with the GIL held: releasing it for ~0.5 us invites a thread switch that
         # costs far more (the loops are nogil-capable if a caller ever needs that)
         self._score(nbytes, ttft)
@@ -279,8 +291,18 @@ cdef class PairCore:
                     best_dir = p
         if best_ok < 0:
             choose = best_all
-            return (self.ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
-                    4, self.s_worst[choose], choose, 0.0, self.s_cost[choose])
+            res.kind = self.ptype[choose]
+            res.n = 1
+            res.idx[0] = choose
+            res.bw = self.s_bw[choose]
+            res.est = self.s_est[choose]
+            res.qos = True
+            res.reason = 4
+            res.aux_link = self.s_worst[choose]
+            res.aux_path = choose
+            res.gain = 0.0
+            res.cost = self.s_cost[choose]
+            return True
         choose = best_ok
         if self.ptype[choose] != PT_DIRECT:
             if best_dir >= 0:
@@ -382,32 +404,45 @@ cdef class PairCore:
                 sgain = cost / cur_cost - 1.0
                 if sgain > self.params[P_SPLIT_MARGIN]:
                     if nsel == 2:
-                        idx = (pair[0], pair[1])
-                    else:
-                        idx = tuple([pair[i] for i in range(nsel)])
-                    if nsel == 2:
                         self.s_sh[0] = sh0
                         self.s_sh[1] = sh1
                     else:
                         self._set_cost(pair, nsel, nbytes, ttft, &e2, &b2)  # the chosen set's equal-finish shares
                     # whole bytes, truncated as Python's int() does (shares < 2**53), the last
-                    # takes the remainder; C integers, one tuple (issue 15)
+                    # takes the remainder
                     rem = <long long>nbytes
-                    if nsel == 2:
-                        s0 = <long long>self.s_sh[0]
-                        shares = (s0, rem - s0)
-                    else:
-                        lst = []
-                        for i in range(nsel - 1):
-                            s0 = <long long>self.s_sh[i]
-                            lst.append(s0)
-                            rem -= s0
-                        lst.append(rem)
-                        shares = tuple(lst)
-                    return (PT_SPLIT, idx, shares, cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
+                    for i in range(nsel - 1):
+                        s0 = <long long>self.s_sh[i]
+                        res.idx[i] = pair[i]
+                        res.sh[i] = s0
+                        rem -= s0
+                    res.idx[nsel - 1] = pair[nsel - 1]
+                    res.sh[nsel - 1] = rem
+                    res.kind = PT_SPLIT
+                    res.n = nsel
+                    res.bw = cur_bw
+                    res.est = cur_est
+                    res.qos = False
+                    res.reason = 3
+                    res.aux_link = -1
+                    res.aux_path = -1
+                    res.gain = sgain
+                    res.cost = cur_cost
+                    return True
         if reason == 0:
             gain = 0.0
-        return (kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
+        res.kind = kind
+        res.n = 1
+        res.idx[0] = choose
+        res.bw = bw
+        res.est = est
+        res.qos = False
+        res.reason = reason
+        res.aux_link = aux_link
+        res.aux_path = aux_path
+        res.gain = gain
+        res.cost = cost
+        return True
 
     def scores(self, double nbytes, bint ttft):
         """Per-candidate (available_bw, est_time_us, cost, rejected) for diagnostics and the CLI."""
@@ -415,44 +450,123 @@ cdef class PairCore:
         return [(self.s_bw[p], self.s_est[p], self.s_cost[p], bool(self.s_rej[p])) for p in range(self.n_paths)]
 
 
-cdef class DecisionBase:
-    """Storage of selector.types.PathDecision, built in C (a Python __init__ cost ~0.3 us per select)."""
-    cdef public object request, _paths, _raw, _sel, _reason
+cdef tuple _result_tuple(Result* r):
+    """*r as cost_model.CoreResult's layout, a plain tuple (a NamedTuple costs a Python call):
+    (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost)"""
+    cdef int i
+    if r.n == 1:
+        idx = (r.idx[0],)
+        shares = (int(r.nbytes),)
+    elif r.n == 2:
+        idx = (r.idx[0], r.idx[1])
+        shares = (r.sh[0], r.sh[1])
+    else:
+        idx = tuple([r.idx[i] for i in range(r.n)])
+        shares = tuple([r.sh[i] for i in range(r.n)])
+    return (r.kind, idx, shares, r.bw, r.est, True if r.qos else False, r.reason, r.aux_link, r.aux_path,
+            r.gain, r.cost)
 
-    def __cinit__(self, request, paths, raw, selector):
+
+cdef class DecisionBase:
+    """Storage of selector.types.PathDecision. Built by the compiled select() in C with the core's
+    result as a C struct; `_raw` (the CoreResult-layout tuple) is made on first access (issue 15)."""
+    cdef public object request, _paths, _sel, _reason
+    cdef object _rawt
+    cdef bint _built
+    cdef Result res
+
+    def __init__(self, request, paths, raw, selector):
         self.request = request
         self._paths = paths  # candidate Path tuple of the (src, dst) pair
-        self._raw = raw
+        self._rawt = raw
+        self._built = True
         self._sel = selector
         self._reason = None
+
+    @property
+    def _raw(self):
+        """The core's result, laid out as cost_model.CoreResult (a plain tuple, or what __init__ got)."""
+        if not self._built:
+            self._rawt = _result_tuple(&self.res) if self.res.n > 0 else None
+            self._built = True
+        return self._rawt
+
+    @_raw.setter
+    def _raw(self, raw):
+        self._rawt = raw
+        self._built = True
+
+
+cdef object _decision(PairCore core, type cls, object request, object paths, object selector,
+                      double nbytes, bint ttft):
+    """A `cls` (DecisionBase subclass) for request, without its __init__: the object is made first,
+    then the core writes its result straight into it (nothing else allocates in between)."""
+    # the type's tp_new without the type call machinery (args may be NULL: DecisionBase has no
+    # __cinit__); the callers check cls is a DecisionBase subclass
+    cdef DecisionBase d = <DecisionBase>(<PyTypeObject*>cls).tp_new(cls, NULL, NULL)
+    # runs with the GIL held: releasing it for ~0.5 us invites a thread switch that costs far
+    # more (_run is nogil-capable if a caller ever needs that)
+    core._run(nbytes, ttft, &d.res)
+    d.request = request
+    d._paths = paths
+    d._sel = selector
+    d._reason = None
+    return d
+
+
+@cython.final
+cdef class _Pair:
+    cdef object core, paths
+    cdef bint compiled
 
 
 @cython.final
 cdef class Dispatch:
     """PathSelector.select as one C call (installed as the selector's `select` attribute when the
     compiled core is in use): the pair lookup, the request's fields, the core and the decision
-    object without a Python frame. `build(src, dst)` returns the selector's _PairTable on a miss."""
+    object without a Python frame. `build(src, dst)` returns the selector's _PairTable on a miss.
+    Pairs are looked up src, then dst (two dict lookups on interned str keys are cheaper than
+    building and hashing a (src, dst) tuple)."""
     cdef dict fast
-    cdef object build, selector, cls
+    cdef object build, selector
+    cdef type cls
     cdef public bint ttft_default
 
-    def __init__(self, build, selector, cls, bint ttft_default):
+    def __init__(self, build, selector, type cls, bint ttft_default):
+        if not PyType_IsSubtype(cls, DecisionBase):
+            raise TypeError("Dispatch: cls must be a DecisionBase subclass")
         self.fast = {}
         self.build = build
         self.selector = selector
         self.cls = cls
         self.ttft_default = ttft_default
 
+    cdef _Pair _miss(self, src, dst):
+        t = self.build(src, dst)
+        cdef _Pair e = _Pair.__new__(_Pair)
+        e.core = t.core
+        e.paths = t.paths
+        e.compiled = type(t.core) is PairCore
+        inner = self.fast.get(src)
+        if inner is None:
+            inner = self.fast[src] = {}
+        inner[dst] = e
+        return e
+
     def __call__(self, request):
-        key = (request.src, request.dst)
-        cdef object ent = self.fast.get(key)
-        if ent is None:
-            t = self.build(request.src, request.dst)
-            ent = self.fast[key] = (t.core, t.paths)
-        core, paths = <tuple>ent
+        cdef object src = request.src, dst = request.dst
+        cdef PyObject* inner = PyDict_GetItem(self.fast, src)
+        cdef PyObject* ent = NULL
+        cdef _Pair e
+        if inner is not NULL:
+            ent = PyDict_GetItem(<object>inner, dst)
+        if ent is NULL:
+            e = self._miss(src, dst)
+        else:
+            e = <_Pair>ent
         cdef bint ttft = request.ttft_sensitive or self.ttft_default
-        if type(core) is PairCore:
-            raw = (<PairCore>core)._select(<double>request.data_bytes, ttft)
-        else:  # a core of another build (benchmarks' baseline): its Python method
-            raw = core.select(request.data_bytes, ttft)
-        return self.cls(request, paths, raw, self.selector)
+        if e.compiled:
+            return _decision(<PairCore>e.core, self.cls, request, e.paths, self.selector,
+                             <double>request.data_bytes, ttft)
+        # a core of another build (benchmarks' baseline): its Python method
+        return self.cls(request, e.paths, e.core.select(request.data_bytes, ttft), self.selector)

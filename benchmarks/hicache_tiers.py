@@ -14,9 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,28 +29,13 @@ from flexflow_sglang.backend.hicache_tier import HiCacheStorageTier  # noqa: E40
 SIZES = ((256, 4096), (64 << 10, 256), (1 << 20, 64))  # (page bytes, pages): 256 B = the tiny model's page
 
 
-def free_port() -> int:
-    from flexflow_sglang.tools.server_utils import find_free_port
-    return find_free_port()
-
-
 def start_master(log_dir):
-    exe = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    exe = exe if os.path.exists(exe) else shutil.which("mooncake_master")
-    if not exe:
-        raise RuntimeError("mooncake_master not found")
-    rpc, metrics = free_port(), free_port()
-    proc = subprocess.Popen([exe, "-rpc_address=127.0.0.1", f"-rpc_port={rpc}", "-metrics_host=127.0.0.1",
-                             f"-metrics_port={metrics}", "-rpc_thread_num=2"],
-                            stdout=open(os.path.join(log_dir, "master.log"), "w"), stderr=subprocess.STDOUT)
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", rpc), timeout=0.5).close()
-            return proc, f"127.0.0.1:{rpc}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("mooncake_master did not start")
+    from flexflow_sglang.tools.mooncake_master import MooncakeMaster, mooncake_missing
+    why = mooncake_missing()
+    if why:
+        raise RuntimeError(why)
+    m = MooncakeMaster(log_dir).start()
+    return m, m.address
 
 
 def keys_of(n, salt: bytes):
@@ -107,8 +90,7 @@ def main(argv=None):
         for backend in a.backends.split(","):
             if backend == "mooncake":
                 try:
-                    import mooncake.store  # noqa: F401
-                    proc, addr = start_master(tmp)
+                    master, addr = start_master(tmp)
                 except Exception as e:  # noqa: BLE001
                     results["skipped"]["mooncake"] = f"{type(e).__name__}: {e}"
                     print(f"mooncake skipped: {e}")
@@ -119,8 +101,7 @@ def main(argv=None):
                              "global_segment_size": 512 << 20}
                     results["rows"] += run("mooncake", extra, a.repeats)
                 finally:
-                    proc.kill()
-                    proc.wait()
+                    master.kill()
             else:
                 results["rows"] += run(backend, {"file_storage_path": os.path.join(tmp, backend)}, a.repeats)
     finally:

@@ -27,3 +27,19 @@ def test_bench_run_reports_ratios(tmp_path):
     for k in ("plain_write_gbps", "plain_read_gbps", "raw_ucx_write_gbps", "raw_ucx_read_gbps", "crc32_gbps"):
         assert r[k] > 0
     assert r["remote_timeouts"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_bench_hicache_backends_side_by_side(tmp_path):
+    """issue 18: SGLang's file backend (and Mooncake when it is installed) through hicache_storage, in
+    the same run as the other tiers; a backend that cannot run is skipped with the reason."""
+    pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+    r = bench.run(page_nbytes=16 * 1024, n_pages=8, repeats=1, storage=False, remote=False,
+                  hicache=["file", "mooncake", "no-such-backend"])
+    assert r["hicache_file_write_gbps"] > 0 and r["hicache_file_read_gbps"] > 0, r
+    assert "hicache_no-such-backend_skipped" in r and "hicache_no-such-backend_write_gbps" not in r
+    from flexflow_sglang.tools.mooncake_master import mooncake_missing
+    if not mooncake_missing():
+        assert r["hicache_mooncake_write_gbps"] > 0 and r["hicache_mooncake_read_gbps"] > 0, r
+    else:
+        assert "hicache_mooncake_skipped" in r

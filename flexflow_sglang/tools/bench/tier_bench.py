@@ -9,6 +9,10 @@
 * remote: RemoteTier.put_many / get_many_into against one tier server process, against a raw NIXL
   UCX WRITE / READ of the same bytes (same descriptor shape: one descriptor per page) from a
   bare agent to a bare target process. Both over loopback, both polled with 1 ms sleeps.
+* hicache_storage (issue 18): HiCacheStorageTier over SGLang's `file` backend (a temp directory)
+  and its `mooncake` backend (a `mooncake_master` on loopback, TCP; one client writes, a second
+  reads), the same pages; ratios against the raw NIXL UCX transfer of the remote section. A
+  backend that cannot run here is skipped with the reason (`hicache_<name>_skipped`).
 Ratios are tier / baseline (1.0 = no overhead). Each figure is the median of `repeats`; reads
 run on a warm page cache (storage) and warm connections (remote) on both sides.
 """
@@ -198,8 +202,81 @@ def _bench_remote(P: int, n: int, repeats: int, timeout_ms: float) -> dict:
             _stop(p)
 
 
+def _hicache_pair(backend: str, P: int, n: int, rounds: int, root: str):
+    """(writer, reader, stop) for one SGLang HiCache backend; Mooncake reads with a second client."""
+    from flexflow_sglang.backend.hicache_tier import HiCacheStorageTier
+    stop = []
+    if backend == "mooncake":
+        from flexflow_sglang.tools.mooncake_master import MooncakeMaster, mooncake_missing
+        why = mooncake_missing()
+        if why:
+            raise RuntimeError(why)
+        master = MooncakeMaster(root).start()
+        stop.append(master.kill)
+        # every round writes new keys: the writer's segment holds them all (no eviction mid-run)
+        extra = master.extra_config(segment_mb=max(64, ((rounds + 1) * n * (P + 64) >> 20) + 1))
+    else:
+        extra = {"file_storage_path": os.path.join(root, backend)}
+    staging = max(1.0, n * (P + 64) / 2**20)
+
+    def make():
+        return HiCacheStorageTier(backend, fingerprint="bench", page_nbytes=P, extra_config=extra,
+                                  staging_mb=staging, timeout_ms=60000)
+    try:
+        writer = make()
+        reader = make() if backend == "mooncake" else writer
+    except BaseException:
+        for f in stop:
+            f()
+        raise
+    return writer, reader, stop
+
+
+def _bench_hicache(backend: str, P: int, n: int, repeats: int, root: str) -> dict:
+    writer, reader, stop = _hicache_pair(backend, P, n, repeats + 1, root)
+    pages = np.random.default_rng(4).integers(0, 256, size=(n, P), dtype=np.uint8)
+    out = np.empty_like(pages)
+    tw, tr = [], []
+    try:
+        for rep in range(repeats + 1):  # round 0 warms up (connections, segments, dentries)
+            keys = [os.urandom(32) for _ in range(n)]
+            t = time.perf_counter()
+            stored = writer.put_many(keys, pages)
+            dt_w = time.perf_counter() - t
+            assert stored == n, f"hicache {backend} stored {stored}/{n}: {writer.stats()}"
+            t = time.perf_counter()
+            got = reader.get_many_into(keys, out)
+            dt_r = time.perf_counter() - t
+            assert got == n and np.array_equal(out, pages), f"hicache {backend} read {got}/{n}"
+            if rep:
+                tw.append(dt_w)
+                tr.append(dt_r)
+    finally:
+        writer.close()
+        if reader is not writer:
+            reader.close()
+        for f in stop:
+            f()
+    nb = n * P
+    return {f"hicache_{backend}_write_gbps": _median_gbps(nb, tw), f"hicache_{backend}_read_gbps": _median_gbps(nb, tr)}
+
+
+def _hicache_section(res: dict, backends, P: int, n: int, repeats: int) -> None:
+    for backend in backends:
+        with tempfile.TemporaryDirectory(prefix="ffbench-hicache-") as root:
+            try:
+                res.update(_bench_hicache(backend, P, n, repeats, root))
+            except Exception as e:  # noqa: BLE001 - a backend missing here is reported, the rest still runs
+                res[f"hicache_{backend}_skipped"] = f"{type(e).__name__}: {e}"[:300]
+                continue
+        for op in ("write", "read"):
+            raw = res.get(f"raw_ucx_{op}_gbps")
+            if raw:
+                res[f"hicache_{backend}_{op}_ratio"] = res[f"hicache_{backend}_{op}_gbps"] / raw
+
+
 def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage_dir: Optional[str] = None,
-        storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0) -> dict:
+        storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0, hicache=()) -> dict:
     """Returns throughputs (GB/s, 1e9) and tier/baseline ratios; keys are listed in the module doc."""
     res = dict(page_nbytes=page_nbytes, n_pages=n_pages, repeats=repeats, bytes=page_nbytes * n_pages,
                ucx_tls=os.environ.get("UCX_TLS", "(default)"), nixl=load_nixl()[0] is not None)
@@ -216,6 +293,7 @@ def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage
             res.update(_bench_remote(page_nbytes, n_pages, repeats, timeout_ms))
         else:
             res["remote_skipped"] = "nixl is not importable"
+    _hicache_section(res, hicache, page_nbytes, n_pages, repeats)
     return res
 
 
@@ -227,12 +305,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="parent directory for the storage files (default: $TMPDIR)")
     ap.add_argument("--no-storage", action="store_true")
     ap.add_argument("--no-remote", action="store_true")
+    ap.add_argument("--hicache", default="file,mooncake",
+                    help="SGLang HiCache storage backends to measure through hicache_storage, side by side "
+                         "('' for none; one that cannot run here is skipped with the reason)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--raw-target", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.raw_target is not None:
         return _raw_target(a.raw_target)
-    r = run(a.page_kib * 1024, a.pages, a.repeats, a.dir, not a.no_storage, not a.no_remote)
+    r = run(a.page_kib * 1024, a.pages, a.repeats, a.dir, not a.no_storage, not a.no_remote,
+            hicache=[b for b in a.hicache.split(",") if b])
     if a.json:
         print(json.dumps(r, indent=2))
     else:

@@ -117,6 +117,9 @@ class TransferConfig:
     prefetch_policy: str = "timeout"  # off | best_effort | wait_complete | timeout
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_ki_token_s: float = 0.25
+    # the server's prefill throughput (tokens/s); > 0: a deep run estimated to arrive slower than its
+    # tokens would recompute is left to SGLang's prefill (connector/fetch_cost.py); 0: always fetch
+    recompute_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                  "queue_bytes": ("int_range", (1 << 20, 1 << 40)), "chunk_bytes": ("int_range", (4096, 1 << 34)),
                  "load_timeout_ms": ("positive", None),
                  "prefetch_policy": ("choice", ("off", "best_effort", "wait_complete", "timeout")),
-                 "prefetch_timeout_base_s": ("nonneg", None), "prefetch_timeout_per_ki_token_s": ("nonneg", None)},
+                 "prefetch_timeout_base_s": ("nonneg", None), "prefetch_timeout_per_ki_token_s": ("nonneg", None),
+                 "recompute_tokens_per_s": ("nonneg", None)},
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",
                 ("DEBUG", "INFO", "WARNING", "ERROR"))}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from array import array
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -30,6 +31,7 @@ from ..tiers.registry import TierContext, create_tier
 from ..transfer import Job, JobState, engine_from_config
 from ..transfer.legs import deep_prefix, tier_get, tier_put
 from .executors import TransferExecutor
+from .fetch_cost import FetchCost
 from .host_tier import HostTier, contiguous_runs
 from .layout import KVLayout
 
@@ -135,6 +137,8 @@ class FlexFlowConnector:
         tc = self.config.transfer
         self.engine = engine_from_config(self.selector, agent, tc, ttft_sensitive=self.config.selector.ttft_sensitive)
         self.load_timeout_s = tc.load_timeout_ms / 1000.0
+        self.fetch_cost = FetchCost(tc.recompute_tokens_per_s, layout.page_size, layout.page_nbytes,
+                                    lambda node, nbytes: self.engine.estimate_s(node, self.host_node, nbytes))
         self.prefetch_policy = tc.prefetch_policy if self.engine.is_async else "off"
         self._gen = 0  # bumped by clear(): results of jobs started before it are stale
         self._reaping = False
@@ -165,7 +169,7 @@ class FlexFlowConnector:
             "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled", "pages_written_through",
             "write_through_failures", "write_through_dropped", "spills_dropped", "pages_spill_dropped",
             "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
-            "prefetch_failures", "prefetch_discarded", "prefetch_capped")}
+            "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper")}
         self._hits_by_tier: Dict[str, int] = {"host": 0}
         logger.info("flexflow: config %s; topology %s; selector core %s; host tier %d pages (%.1f MiB%s) on %s, "
                     "policy %s, checksums %s; deeper tiers %s; device node %s; %s",
@@ -301,6 +305,9 @@ class FlexFlowConnector:
                     break
             if m <= 0:
                 break
+            if not self.fetch_cost.worth_fetching(tier.name, tier.node, m):
+                self._m["deep_pages_recompute_cheaper"] += m  # SGLang prefills them sooner
+                break
             self._m["lookup_pages_deep"] += m
             n += m
             more = self.host.contains_prefix(keys[n:])
@@ -388,12 +395,14 @@ class FlexFlowConnector:
         while got < n:
             m = 0
             for tier in self.tiers:
+                t0 = time.perf_counter()
                 try:
                     m = tier_get(self.engine, tier, self.host_node, keys[got:n], u8[got:n])
                 except Exception:  # noqa: BLE001
                     logger.exception("flexflow: tier %s read failed", tier.name)
                     m = 0
                 if m > 0:
+                    self.fetch_cost.observe(tier.name, m * self.layout.page_nbytes, time.perf_counter() - t0)
                     hits[tier.name] = hits.get(tier.name, 0) + m
                     break
             if m <= 0:

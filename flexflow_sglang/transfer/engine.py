@@ -181,6 +181,20 @@ class TransferEngine:
                 logger.debug("flexflow transfer: reserve failed: %r", e)
         return t
 
+    def estimate_s(self, src: Optional[str], dst: Optional[str], nbytes: int) -> Optional[float]:
+        """The selector's predicted seconds for src -> dst under the current load, without a
+        reservation; None when there is no route (as in open())."""
+        topo = self.selector.topology
+        if nbytes <= 0 or src not in topo.nodes or dst not in topo.nodes or src == dst:
+            return None
+        from ..selector import TransferRequest
+        try:
+            with self._select_lock:
+                d = self.selector.select(TransferRequest(src, dst, int(nbytes), self.ttft_sensitive))
+        except Exception:  # noqa: BLE001 - no route known
+            return None
+        return d.estimated_time_us / 1e6
+
     def move(self, src: Optional[str], dst: Optional[str], units: int, unit_bytes: int,
              leg: Callable[[Any, int, int], Any], *, chunked: bool = True, record: str = "",
              ttft_sensitive: Optional[bool] = None, on_leg_end: Optional[Callable[[Any], None]] = None) -> MoveStats:

@@ -96,9 +96,37 @@ def shared_variant(config_path: str, out: str) -> str:
     return path
 
 
+def measure_pass(url: str, log: str, model: str, jsonl: str, args, label: str, pass_no: int) -> dict:
+    """One bench_serving pass against the server at `url` (its log at `log`): bench_serving's own
+    figures, cached prompt tokens from the server log and tokens loaded from flexflow's tiers."""
+    from .serve import _flexflow_counters
+    if os.path.exists(jsonl):
+        os.unlink(jsonl)  # bench_serving appends
+    offset = os.path.getsize(log)
+    before = _flexflow_counters(url)
+    t0 = time.perf_counter()
+    proc = subprocess.run(bench_serving_cmd(url, model, jsonl, args), capture_output=True, text=True,
+                          timeout=args.pass_timeout)
+    if proc.returncode != 0 or not os.path.exists(jsonl):
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"bench_serving ({label}) exited {proc.returncode}: " + " | ".join(tail))
+    with open(jsonl) as f:
+        result = json.loads(f.read().strip().splitlines()[-1])
+    time.sleep(1.1)  # the backend exports its counters at most once a second
+    after = _flexflow_counters(url)
+    host = sum(v for k, v in after.items() if k.startswith("flexflow_hits_by_tier")) - \
+        sum(v for k, v in before.items() if k.startswith("flexflow_hits_by_tier"))
+    tokens = prefill_tokens(log, offset)
+    prompt = tokens["new_tokens"] + tokens["cached_tokens"]
+    return {"pass": pass_no, "wall_s": time.perf_counter() - t0, **{k: result.get(k) for k in KEEP},
+            **tokens, "flexflow_loaded_tokens": host,
+            # tokens loaded from flexflow's tiers (host, or deeper through it) / prompt tokens
+            "tier_hit_ratio": host / prompt if prompt else 0.0}
+
+
 def run_backend(name: str, model: str, args) -> dict:
     from flexflow_sglang.tools.server_utils import SGLangServer, ServerStartError
-    from .serve import _flexflow_counters, _root_cause
+    from .serve import _root_cause
     kw = {}
     if name != "baseline":
         cfg = shared_variant(args.config, args.out) if name == "flexflow-shared" else args.config
@@ -116,28 +144,7 @@ def run_backend(name: str, model: str, args) -> dict:
     try:
         for p in range(args.passes):
             jsonl = os.path.join(args.out, f"bench_serving-{name}-pass{p + 1}.jsonl")
-            if os.path.exists(jsonl):
-                os.unlink(jsonl)  # bench_serving appends
-            offset = os.path.getsize(log)
-            before = _flexflow_counters(server.url)
-            t0 = time.perf_counter()
-            proc = subprocess.run(bench_serving_cmd(server.url, model, jsonl, args), capture_output=True, text=True,
-                                  timeout=args.pass_timeout)
-            if proc.returncode != 0 or not os.path.exists(jsonl):
-                tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
-                raise RuntimeError(f"bench_serving ({name}, pass {p + 1}) exited {proc.returncode}: " + " | ".join(tail))
-            with open(jsonl) as f:
-                result = json.loads(f.read().strip().splitlines()[-1])
-            time.sleep(1.1)  # the backend exports its counters at most once a second
-            after = _flexflow_counters(server.url)
-            host = sum(v for k, v in after.items() if k.startswith("flexflow_hits_by_tier")) - \
-                sum(v for k, v in before.items() if k.startswith("flexflow_hits_by_tier"))
-            tokens = prefill_tokens(log, offset)
-            prompt = tokens["new_tokens"] + tokens["cached_tokens"]
-            passes.append({"pass": p + 1, "wall_s": time.perf_counter() - t0, **{k: result.get(k) for k in KEEP},
-                           **tokens, "flexflow_loaded_tokens": host,
-                           # tokens loaded from flexflow's tiers (host, or deeper through it) / prompt tokens
-                           "tier_hit_ratio": host / prompt if prompt else 0.0})
+            passes.append(measure_pass(server.url, log, model, jsonl, args, f"{name}, pass {p + 1}", p + 1))
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         return {"backend": name, "ran": False, "error": str(e)[:600], "log": log, "passes": passes}
     finally:

@@ -71,16 +71,11 @@ cdef class PairCore:
     cdef int* s_worst
     cdef int* s_order
     cdef int* s_sel
-    # per-leg scratch of the split being costed (MAX_SPLIT_CAP each): fixed latency, bytes/us,
-    # chunk breakpoint, relay count, share
-    cdef double* s_la
-    cdef double* s_lb
-    cdef double* s_lk
-    cdef double* s_lr
+    # the equal-finish shares of the split last costed (MAX_SPLIT_CAP); the other per-leg scratch
+    # of _set_cost is on its stack
     cdef double* s_sh
 
     cdef void _score(self, double nbytes, bint ttft) noexcept nogil
-    cdef inline double _leg_bytes(self, int i, double t, double chunk) noexcept nogil
     cdef double _set_cost(self, int* sel, int n, double nbytes, bint ttft, double* est_out,
                           double* bw_out) noexcept nogil
     cdef double _pair_bound(self, int a, int b, double nbytes, bint ttft) noexcept nogil

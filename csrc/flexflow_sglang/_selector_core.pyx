@@ -39,6 +39,19 @@ def layout():
             "TTFT_LAT_FACTOR": TTFT_LAT_FACTOR, "SPLIT_TOP": SPLIT_TOP, "MAX_SPLIT_CAP": MAX_SPLIT_CAP}
 
 
+cdef inline double _leg_bytes(double la, double lb, double lk, double lr, double t,
+                              double chunk) noexcept nogil:
+    """Bytes a split leg (fixed latency la, bytes/us lb, chunk breakpoint lk, relay count lr)
+    delivers by time t (us): the inverse of its finish time la + (1 + r) * s / b for s <= chunk
+    (the whole share is one pipeline chunk) and la + r * chunk / b + s / b above it; 0 before its
+    fixed latency la has passed."""
+    if t <= la:
+        return 0.0
+    if t <= lk:
+        return (t - la) * lb / (1.0 + lr)
+    return (t - la) * lb - lr * chunk
+
+
 @cython.final
 cdef class PairCore:
     def __cinit__(self, int[::1] ptype, int[::1] ptr, int[::1] plinks, double[::1] fixed_lat,
@@ -68,20 +81,15 @@ cdef class PairCore:
         self.s_worst = <int*>malloc(m * sizeof(int))
         self.s_order = <int*>malloc(m * sizeof(int))
         self.s_sel = <int*>malloc(MAX_SPLIT_CAP * sizeof(int))
-        self.s_la = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
-        self.s_lb = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
-        self.s_lk = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
-        self.s_lr = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
         self.s_sh = <double*>malloc(MAX_SPLIT_CAP * sizeof(double))
         if not (self.s_bw and self.s_cost and self.s_est and self.s_tl and self.s_q and self.s_risk
-                and self.s_rej and self.s_worst and self.s_order and self.s_sel and self.s_la
-                and self.s_lb and self.s_lk and self.s_lr and self.s_sh):
+                and self.s_rej and self.s_worst and self.s_order and self.s_sel and self.s_sh):
             raise MemoryError()
 
     def __dealloc__(self):
         free(self.s_bw); free(self.s_cost); free(self.s_est); free(self.s_tl); free(self.s_q)
         free(self.s_risk); free(self.s_rej); free(self.s_worst); free(self.s_order); free(self.s_sel)
-        free(self.s_la); free(self.s_lb); free(self.s_lk); free(self.s_lr); free(self.s_sh)
+        free(self.s_sh)
 
     def set_params(self, double[::1] params):
         if params.shape[0] != P_NPARAMS:
@@ -89,11 +97,23 @@ cdef class PairCore:
         self.params = params
 
     cdef void _score(self, double nbytes, bint ttft) noexcept nogil:
-        cdef int p, k, l, worst
-        cdef double bw, a, fl, u, r, risk, q, worst_ex, ex, t_x, t_f, t_l, hopf, wl, chunk
-        cdef double w_bw = self.params[P_W_BW], w_q = self.params[P_W_Q], w_hops = self.params[P_W_HOPS]
-        cdef double w_qos = self.params[P_W_QOS], w_lat = self.params[P_W_LAT]
-        cdef double relay_chunk = self.params[P_RELAY_CHUNK], relay_ovh = self.params[P_RELAY_OVERHEAD_US]
+        # the arrays through local pointers: a memoryview's data is a char*, which may alias
+        # anything, so every self.x[i] after a store reloaded the view from self (issue 15)
+        cdef int p, k, l, worst, rej, k1
+        cdef double bw, a, fl, u, r, risk, q, worst_ex, ex, t_x, t_f, t_l, hopf, wl, chunk, th, cp
+        cdef const double* params = &self.params[0]
+        cdef const double* util = &self.util[0]
+        cdef const double* qdelay = &self.qdelay[0]
+        cdef const double* cap = &self.cap[0]
+        cdef const double* thr = &self.thr[0]
+        cdef const int* plinks = &self.plinks[0] if self.plinks.shape[0] > 0 else NULL
+        cdef const int* ptr = &self.ptr[0]
+        cdef const int* nrelay = &self.nrelay[0] if self.n_paths > 0 else NULL
+        cdef const double* fixed_lat = &self.fixed_lat[0] if self.n_paths > 0 else NULL
+        cdef const double* extra_hops = &self.extra_hops[0] if self.n_paths > 0 else NULL
+        cdef double w_bw = params[P_W_BW], w_q = params[P_W_Q], w_hops = params[P_W_HOPS]
+        cdef double w_qos = params[P_W_QOS], w_lat = params[P_W_LAT]
+        cdef double relay_chunk = params[P_RELAY_CHUNK], relay_ovh = params[P_RELAY_OVERHEAD_US]
         chunk = nbytes if nbytes < relay_chunk else relay_chunk
         hopf = TTFT_HOP_FACTOR if ttft else 1.0
         wl = w_lat * (TTFT_LAT_FACTOR if ttft else 1.0)
@@ -103,56 +123,49 @@ cdef class PairCore:
             q = 0.0
             worst = -1
             worst_ex = 0.0
-            self.s_rej[p] = 0
-            for k in range(self.ptr[p], self.ptr[p + 1]):
-                l = self.plinks[k]
-                u = self.util[l]
+            rej = 0
+            k1 = ptr[p + 1]
+            for k in range(ptr[p], k1):
+                l = plinks[k]
+                u = util[l]
                 if u < 0.0:
                     u = 0.0
                 if u > 1.0:
                     u = 1.0
-                a = self.cap[l] * (1.0 - u)
-                fl = self.cap[l] * MIN_AVAIL_FRAC
+                cp = cap[l]
+                th = thr[l]
+                a = cp * (1.0 - u)
+                fl = cp * MIN_AVAIL_FRAC
                 if a < fl:
                     a = fl
                 if a < bw:
                     bw = a
-                r = u / self.thr[l]
+                r = u / th
                 if r > risk:
                     risk = r
-                if u > self.thr[l]:
-                    self.s_rej[p] = 1
-                    ex = u - self.thr[l]
+                if u > th:
+                    rej = 1
+                    ex = u - th
                     if worst < 0 or ex > worst_ex:
                         worst_ex = ex
                         worst = l
-                q = q + self.qdelay[l]
+                q = q + qdelay[l]
             if risk > 1.0:
                 risk = 1.0
             t_x = nbytes / (bw * 1000.0)
             # per relay one pipeline chunk at the path's bandwidth (bytes moving: costed like t_x)
-            t_f = self.nrelay[p] * (chunk / (bw * 1000.0))
-            t_l = self.fixed_lat[p] + self.nrelay[p] * (chunk / (bw * 1000.0) + relay_ovh)
+            t_f = nrelay[p] * (chunk / (bw * 1000.0))
+            t_l = fixed_lat[p] + nrelay[p] * (chunk / (bw * 1000.0) + relay_ovh)
+            self.s_rej[p] = rej
             self.s_bw[p] = bw
             self.s_tl[p] = t_l
             self.s_q[p] = q
             self.s_risk[p] = risk
             self.s_worst[p] = worst
             self.s_est[p] = t_x + t_l + q
-            self.s_cost[p] = (w_bw * (t_x + t_f) + wl * (self.fixed_lat[p] + self.nrelay[p] * relay_ovh)
-                              + w_q * q) * (1.0 + w_hops * self.extra_hops[p] * hopf) \
+            self.s_cost[p] = (w_bw * (t_x + t_f) + wl * (fixed_lat[p] + nrelay[p] * relay_ovh)
+                              + w_q * q) * (1.0 + w_hops * extra_hops[p] * hopf) \
                 * (1.0 + w_qos * risk)
-
-    cdef inline double _leg_bytes(self, int i, double t, double chunk) noexcept nogil:
-        """Bytes leg i of the split being costed delivers by time t (us): the inverse of its finish
-        time la + (1 + r) * s / b for s <= chunk (the whole share is one pipeline chunk) and
-        la + r * chunk / b + s / b above it; 0 before its fixed latency la has passed."""
-        cdef double la = self.s_la[i]
-        if t <= la:
-            return 0.0
-        if t <= self.s_lk[i]:
-            return (t - la) * self.s_lb[i] / (1.0 + self.s_lr[i])
-        return (t - la) * self.s_lb[i] - self.s_lr[i] * chunk
 
     cdef double _set_cost(self, int* sel, int n, double nbytes, bint ttft, double* est_out,
                           double* bw_out) noexcept nogil:
@@ -160,67 +173,80 @@ cdef class PairCore:
         same time T (left in s_sh); est_out = T. Each leg costs like a single path carrying its
         share: fixed latency, queueing, and per relay one pipeline chunk of min(share, relay_chunk)
         plus the hand-off. Returns -1.0 when a leg would carry less than one byte (its fixed
-        latency is not below T): that set is no split."""
+        latency is not below T): that set is no split. The per-leg scratch (la, lb, lk, lr: the
+        twin's s_la, s_lb, s_lk, s_lr) lives on the stack and the arrays are read through local
+        pointers (issue 15: same operations, in the same order)."""
         cdef int i, j, p
-        cdef double chunk = self.params[P_RELAY_CHUNK], relay_ovh = self.params[P_RELAY_OVERHEAD_US]
+        cdef const double* params = &self.params[0]
+        cdef const double* fixed_lat = &self.fixed_lat[0]
+        cdef const double* extra_hops = &self.extra_hops[0]
+        cdef const int* nrelay = &self.nrelay[0]
+        cdef double* s_bw = self.s_bw
+        cdef double* s_q = self.s_q
+        cdef double* s_risk = self.s_risk
+        cdef double la[8]
+        cdef double lb[8]
+        cdef double lk[8]
+        cdef double lr[8]
+        cdef double chunk = params[P_RELAY_CHUNK], relay_ovh = params[P_RELAY_OVERHEAD_US]
         cdef double bws = 0.0, risk = 0.0, b, r, a, tb, sb, bp, s, slope, t_end
         cdef double sh, c, leg, acc, hopf, wl, w_bw, w_q, w_hops
         for i in range(n):
             p = sel[i]
-            b = self.s_bw[p] * 1000.0
-            r = <double>self.nrelay[p]
-            a = self.fixed_lat[p] + r * relay_ovh + self.s_q[p]
-            self.s_lb[i] = b
-            self.s_lr[i] = r
-            self.s_la[i] = a
-            self.s_lk[i] = a + (1.0 + r) * chunk / b
-            bws = bws + self.s_bw[p]
-            if self.s_risk[p] > risk:
-                risk = self.s_risk[p]
+            b = s_bw[p] * 1000.0
+            r = <double>nrelay[p]
+            a = fixed_lat[p] + r * relay_ovh + s_q[p]
+            lb[i] = b
+            lr[i] = r
+            la[i] = a
+            lk[i] = a + (1.0 + r) * chunk / b
+            bws = bws + s_bw[p]
+            if s_risk[p] > risk:
+                risk = s_risk[p]
         # T: the latest breakpoint (a leg starts, or its share outgrows one chunk) by which fewer
         # than nbytes are delivered, plus the rest at the summed slope of the legs there
         tb = -1.0
         sb = 0.0
         for j in range(2 * n):
-            bp = self.s_la[j >> 1] if (j & 1) == 0 else self.s_lk[j >> 1]
+            bp = la[j >> 1] if (j & 1) == 0 else lk[j >> 1]
             if tb >= 0.0 and bp <= tb:
                 continue
             s = 0.0
             for i in range(n):
-                s = s + self._leg_bytes(i, bp, chunk)
+                s = s + _leg_bytes(la[i], lb[i], lk[i], lr[i], bp, chunk)
             if s <= nbytes:
                 tb = bp
                 sb = s
         slope = 0.0
         for i in range(n):
-            if tb >= self.s_la[i]:
-                if tb < self.s_lk[i]:
-                    slope = slope + self.s_lb[i] / (1.0 + self.s_lr[i])
+            if tb >= la[i]:
+                if tb < lk[i]:
+                    slope = slope + lb[i] / (1.0 + lr[i])
                 else:
-                    slope = slope + self.s_lb[i]
+                    slope = slope + lb[i]
         t_end = tb + (nbytes - sb) / slope
         est_out[0] = t_end
         bw_out[0] = bws
         # the cost: each leg's single-path cost for its own share (transfer, latency and queueing
         # terms, its own hop penalty), weighted by its bytes; QoS risk of the riskiest leg
         hopf = TTFT_HOP_FACTOR if ttft else 1.0
-        wl = self.params[P_W_LAT] * (TTFT_LAT_FACTOR if ttft else 1.0)
-        w_bw = self.params[P_W_BW]
-        w_q = self.params[P_W_Q]
-        w_hops = self.params[P_W_HOPS]
+        wl = params[P_W_LAT] * (TTFT_LAT_FACTOR if ttft else 1.0)
+        w_bw = params[P_W_BW]
+        w_q = params[P_W_Q]
+        w_hops = params[P_W_HOPS]
         acc = 0.0
         for i in range(n):
             p = sel[i]
-            sh = self._leg_bytes(i, t_end, chunk)
+            sh = _leg_bytes(la[i], lb[i], lk[i], lr[i], t_end, chunk)
             if sh < 1.0:
                 return -1.0
             self.s_sh[i] = sh
             c = sh if sh < chunk else chunk
-            leg = (w_bw * (sh / self.s_lb[i] + self.s_lr[i] * (c / self.s_lb[i]))
-                   + wl * (self.fixed_lat[p] + self.s_lr[i] * relay_ovh)
-                   + w_q * self.s_q[p]) * (1.0 + w_hops * self.extra_hops[p] * hopf)
+            leg = (w_bw * (sh / lb[i] + lr[i] * (c / lb[i]))
+                   + wl * (fixed_lat[p] + lr[i] * relay_ovh)
+                   + w_q * s_q[p]) * (1.0 + w_hops * extra_hops[p] * hopf)
             acc = acc + sh * leg
-        return acc / nbytes * (1.0 + self.params[P_W_QOS] * risk)
+        return acc / nbytes * (1.0 + params[P_W_QOS] * risk)
 
     cdef inline double _pair_bound(self, int a, int b, double nbytes, bint ttft) noexcept nogil:
         """A lower bound of _set_cost for the two legs a, b (weights are >= 0): the transfer term

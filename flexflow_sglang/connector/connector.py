@@ -295,7 +295,7 @@ class FlexFlowConnector:
         in_host = n
         while deep and n < total and self.tiers:
             m = 0
-            for tier in self.tiers:
+            for tier in self.fetch_cost.order(self.tiers, total - n):
                 try:
                     m = tier.contains_prefix(keys[n:])
                 except Exception:  # noqa: BLE001 - a broken tier is a miss
@@ -394,7 +394,7 @@ class FlexFlowConnector:
         got, hits = 0, {}
         while got < n:
             m = 0
-            for tier in self.tiers:
+            for tier in self.fetch_cost.order(self.tiers, n - got):
                 t0 = time.perf_counter()
                 try:
                     m = tier_get(self.engine, tier, self.host_node, keys[got:n], u8[got:n])

@@ -8,6 +8,10 @@ throughput, tokens per second), the connector's lookup stops at a deep run whose
 time exceeds the time to recompute its tokens; those pages count as a miss
 (`deep_pages_recompute_cheaper`) and SGLang prefills them.
 
+The same estimates order the tiers a run is read from when several hold it (write-through copies
+every page to each): the cheapest first, a tier not measured yet first of all (its first read
+measures it).
+
 The fetch estimate is the slower of two views, each used only when it exists:
 * the path selector's predicted time for tier node -> host node under the NodeAgent's live link
   load (a tier without a node in the topology has none);
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 #: a tier's observed read bandwidth older than this is ignored (a fetch re-measures it)
 OBSERVED_TTL_S = 10.0
@@ -75,6 +79,16 @@ class FetchCost:
         if obs is not None and self._clock() - obs[1] <= OBSERVED_TTL_S and obs[0] > 0:
             views.append(nbytes / obs[0])
         return max(views) if views else None
+
+    def order(self, tiers: Sequence, pages: int) -> List:
+        """The tiers to ask for a run of `pages` pages, cheapest estimated fetch first. A tier with
+        no estimate yet counts as free (optimism: its first read measures it); ties keep the
+        config order. Several tiers often hold the same page (write-through to each)."""
+        if len(tiers) < 2:
+            return list(tiers)
+        est = [self.fetch_s(t.name, t.node, pages) for t in tiers]
+        idx = sorted(range(len(tiers)), key=lambda i: (est[i] or 0.0, i))
+        return [tiers[i] for i in idx]
 
     def recompute_s(self, pages: int) -> float:
         return pages * self.page_size / self.tokens_per_s

@@ -97,3 +97,51 @@ def test_connector_lookup_leaves_a_slow_deep_run_to_prefill():
             assert skipped == (0 if expect_deep else 6), c.metrics()
         finally:
             c.close()
+
+
+def test_tiers_holding_the_same_run_are_read_cheapest_first():
+    class T:
+        def __init__(self, name, node=None):
+            self.name, self.node = name, node
+    slow, fast, fresh = T("storage", "nvme0"), T("remote", "n1"), T("mooncake")
+    c = cost(est=lambda node, nb: {"nvme0": 2.0, "n1": 0.5}.get(node))
+    assert [t.name for t in c.order([slow, fast], 4)] == ["remote", "storage"]
+    assert [t.name for t in c.order([slow, fast, fresh], 4)] == ["mooncake", "remote", "storage"]  # unmeasured first
+    c.observe("mooncake", 1_000_000, 10.0)  # measured: 100 kB/s
+    assert [t.name for t in c.order([slow, fast, fresh], 4)] == ["remote", "storage", "mooncake"]
+    assert [t.name for t in cost().order([slow, fast], 4)] == ["storage", "remote"]  # no evidence: config order
+
+
+def test_connector_reads_a_shared_run_from_the_faster_tier():
+    pytest.importorskip("torch")
+    pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+    from flexflow_sglang.config import config_from_dict
+    from flexflow_sglang.connector import FlexFlowConnector, InMemoryTier, KVLayout
+    from test_connector_host_tier import mha, rand_slots
+
+    class Slow(InMemoryTier):
+        def get_many_into(self, keys, out):
+            time.sleep(0.05)
+            return super().get_many_into(keys, out)
+
+    cfg = config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+                            "host_tier": {"capacity_tokens": 8, "pin_memory": "never"}}, "<test>")
+    slow, fast = Slow(name="slowdisk", node=None), InMemoryTier(name="fastpeer", node=None)
+    for t in (slow, fast):
+        t.write_through = True
+    c = FlexFlowConnector(KVLayout.from_pool(mha(ps=1), 1), cfg, fingerprint={"t": 4}, tiers=[slow, fast],
+                          start_agent=False)
+    try:
+        runs = [c.page_keys(list(range(i * 100, i * 100 + 8))) for i in range(4)]
+        for i, keys in enumerate(runs):
+            assert c.store(keys, rand_slots(8, 1, 30 + i)).ok and c.drain(5)
+        # runs 0-2 were pushed out of the 8-page host tier: both deep tiers hold them
+        for i in range(3):
+            assert c.host.contains_prefix(runs[i]) == 0
+            assert c.load(runs[i][:2], rand_slots(2, 1, 40 + i)).ok
+        hits = c.metrics()["hits_by_tier"]  # tokens (page size 1: pages)
+        # read 1 measured slowdisk (config order, nothing known), read 2 measured fastpeer
+        # (unmeasured counts as free), read 3 went to the faster one
+        assert hits.get("slowdisk", 0) == 2 and hits.get("fastpeer", 0) == 4, hits
+    finally:
+        c.close()

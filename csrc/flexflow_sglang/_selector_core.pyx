@@ -580,6 +580,11 @@ cdef class Dispatch:
         return e
 
     def __call__(self, request):
+        return self.select(request)
+
+    def select(self, request):
+        """PathSelector.select(request): PathSelector installs this bound method as its `select`
+        (a bound method of a compiled class is called without building an argument tuple)."""
         cdef object src = request.src, dst = request.dst
         cdef PyObject* inner = PyDict_GetItem(self.fast, src)
         cdef PyObject* ent = NULL
@@ -596,25 +601,3 @@ cdef class Dispatch:
                              <double>request.data_bytes, ttft)
         # a core of another build (benchmarks' baseline): its Python method
         return self.cls(request, e.paths, e.core.select(request.data_bytes, ttft), self.selector)
-
-
-def _tmp_bench_run(list cores, list nbytes, int reps):  # TEMP profiling helper, not committed
-    cdef Result r
-    cdef int i, k, n = len(cores)
-    cdef PairCore c
-    cdef double nb
-    import time
-    t0 = time.perf_counter_ns()
-    for k in range(reps):
-        for i in range(n):
-            c = <PairCore>cores[i]
-            nb = <double>nbytes[i]
-            c._run(nb, False, &r)
-    t1 = time.perf_counter_ns()
-    for k in range(reps):
-        for i in range(n):
-            c = <PairCore>cores[i]
-            nb = <double>nbytes[i]
-            c._score(nb, False)
-    t2 = time.perf_counter_ns()
-    return (t1 - t0) / (reps * n), (t2 - t1) / (reps * n)

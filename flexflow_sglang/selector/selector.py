@@ -88,8 +88,10 @@ class PathSelector:
         except AttributeError:  # a duck-typed agent without reservations
             pass
         self._tables: Dict[Tuple[str, str], _PairTable] = {}
+        self._dispatch = None
         if self.impl == "compiled":  # select() as one C call; the method below is the twin's path
-            self.select = _compiled.Dispatch(self._table, self, PathDecision, self._ttft_default)
+            self._dispatch = _compiled.Dispatch(self._table, self, PathDecision, self._ttft_default)
+            self.select = self._dispatch.select
 
     def _thresholds(self) -> np.ndarray:
         return np.array([self.config.threshold_for(l.qos_class) for l in self.topology.links], dtype=np.float64)
@@ -100,8 +102,8 @@ class PathSelector:
         self.agent.relay_chunk_bytes = config.relay_chunk_bytes
         self._params[:] = pack_params(config)
         self._ttft_default = config.ttft_sensitive
-        if "select" in self.__dict__:  # the compiled Dispatch
-            self.select.ttft_default = config.ttft_sensitive
+        if self._dispatch is not None:  # the compiled Dispatch
+            self._dispatch.ttft_default = config.ttft_sensitive
         self._thr[:] = self._thresholds()
 
     # ----------------------------------------------------------------- preparation

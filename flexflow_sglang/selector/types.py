@@ -76,7 +76,7 @@ REASONS = {
 }
 
 
-try:  # the compiled core builds decisions without a Python __init__ (issue 15)
+try:  # the compiled core builds decisions without a Python __init__, its result kept as a C struct (issue 15)
     from .._selector_core import DecisionBase as _DecisionBase
 except ImportError:  # pragma: no cover - depends on the build
     class _DecisionBase:
@@ -99,7 +99,9 @@ class PathDecision(_DecisionBase):
     R_* indices; `raw` gives the named view); everything else is derived on access so that select()
     allocates one small object."""
 
-    __slots__ = ()  # fields live in _DecisionBase: request, _paths, _raw (the core's tuple), _sel, _reason
+    # fields live in _DecisionBase: request, _paths, _raw (the core's tuple; the compiled select()
+    # keeps its result as a C struct and builds the tuple on first access), _sel, _reason
+    __slots__ = ()
 
     @property
     def chosen_type(self) -> PathType:

@@ -55,8 +55,9 @@ WRITER = CLIENT_COMMON + r"""
 ready, done = sys.argv[6], sys.argv[7]
 t = tier(30000)
 put = t.put_many(keys_of(n), pages_of(n))
-with open(ready, "w") as f:
+with open(ready + ".tmp", "w") as f:
     json.dump({"put": put}, f)
+os.replace(ready + ".tmp", ready)   # the test polls for the file: it must never see it half written
 end = time.monotonic() + 180
 while not os.path.exists(done) and time.monotonic() < end:
     time.sleep(0.05)   # the pages live in this client's segment: stay until the reader is done

@@ -23,6 +23,20 @@ def _mooncake_master(tmp_path):
     return MooncakeMaster(tmp_path).start()
 
 
+def _wait_store_writable(url, label, timeout_s=180.0) -> bool:
+    """Send throwaway prompts to the server until one of them is written to the store (its tier's
+    pages_written grows): its Mooncake client is connected to the master again."""
+    written = _tier_metric(wait_transfers_settled(url), "pages_written")
+    deadline, i = time.time() + timeout_s, 0
+    while time.time() < deadline:
+        generate(url, " ".join([f"{label} probe {i} waits for the store after the master restart"] * 5), 2)
+        if _tier_metric(wait_transfers_settled(url), "pages_written") > written:
+            return True
+        i += 1
+        time.sleep(2)
+    return False
+
+
 def _tier_metric(m, name):
     """A deep-tier counter of the mooncake tier from /metrics (summed over ranks)."""
     return m.get(f"flexflow_deeper_tiers_hicache_mooncake_{name}", 0)
@@ -75,6 +89,10 @@ def test_two_servers_share_kv_through_mooncake(plain_baseline, tiny_model, start
         # already in its host tier: their pages are not written twice)
         master.start()
         time.sleep(3)
+        # Each Mooncake client reconnects on its own schedule (after 4 failed pings, seconds apart):
+        # an idle server can take tens of seconds. Wait until A writes to the store again (CI once
+        # asked A right after B's write, while A's client was still disconnected: put -900).
+        assert _wait_store_writable(a.url, "A"), "server A's Mooncake client did not reconnect"
         written = _tier_metric(wait_transfers_settled(b.url), "pages_written")
         deadline, i, fresh, mr = time.time() + 120, 0, None, {}
         while time.time() < deadline:

@@ -35,7 +35,7 @@ def _measure(sel, reqs, n, desc, progress=True):
 
 def _load_core(path):
     """The PairCore of another build of the compiled core (e.g. an older commit's .so), for a
-    before/after comparison in one run: `--baseline-core /tmp/old/_selector_core....so`."""
+    before/after comparison in one run: `--baseline-core <old build dir>/_selector_core....so`."""
     import importlib.machinery
     import importlib.util
     loader = importlib.machinery.ExtensionFileLoader("flexflow_baseline._selector_core", path)

@@ -96,6 +96,48 @@ def shared_variant(config_path: str, out: str) -> str:
     return path
 
 
+def add_workload_args(ap, *, prompts_per_group: int, system_prompt_len: int, question_len: int,
+                      output_len: int, max_total_tokens_help: Optional[str] = None) -> None:
+    """The bench_serving workload and server flags every bench_serving-based benchmark takes
+    (generated-shared-prefix shape, concurrency, device pool, dtype, seed, timeouts)."""
+    ap.add_argument("--gsp-num-groups", type=int, default=8)
+    ap.add_argument("--gsp-prompts-per-group", type=int, default=prompts_per_group)
+    ap.add_argument("--gsp-system-prompt-len", type=int, default=system_prompt_len)
+    ap.add_argument("--gsp-question-len", type=int, default=question_len)
+    ap.add_argument("--gsp-output-len", type=int, default=output_len)
+    ap.add_argument("--max-concurrency", type=int, default=2)
+    ap.add_argument("--max-total-tokens", type=int, default=4096, help=max_total_tokens_help)
+    ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, so that "
+                                                  "kv128k really holds 128 KB per token; auto otherwise)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--pass-timeout", type=float, default=1800.0)
+
+
+#: the integer options of add_workload_args that must be positive
+WORKLOAD_POSITIVE = ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
+                     "gsp_output_len", "max_concurrency", "max_total_tokens")
+
+
+def check_positive(ap, args, names) -> None:
+    for k in names:
+        if getattr(args, k) <= 0:
+            ap.error(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+
+
+def resolve_served_model(args) -> tuple:
+    """(model dir, name for reports) for `--model`; sets args.dtype and args.tokenize_prompt."""
+    from flexflow_sglang.tools.cpu_support.tiny_model import PRESETS
+    from . import resolve_model
+    preset = args.model in PRESETS
+    model, model_name = resolve_model(None if preset else args.model, args.out, args.model if preset else "bench")
+    args.dtype = args.dtype or ("float32" if preset else "auto")
+    # a tiny preset's word-level tokenizer does not round-trip bench_serving's generated text (the
+    # server saw 1-token prompts): send the token ids themselves
+    args.tokenize_prompt = preset
+    return model, model_name
+
+
 def measure_pass(url: str, log: str, model: str, jsonl: str, args, label: str, pass_no: int) -> dict:
     """One bench_serving pass against the server at `url` (its log at `log`): bench_serving's own
     figures, cached prompt tokens from the server log and tokens loaded from flexflow's tiers."""
@@ -233,29 +275,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--backends", default="baseline,flexflow", help="comma list of " + ", ".join(BACKENDS))
     ap.add_argument("--dp-size", type=int, default=1, help="SGLang --dp-size of every server (one core per rank)")
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG (default configs/cpu-dev.yaml)")
-    ap.add_argument("--gsp-num-groups", type=int, default=8)
-    ap.add_argument("--gsp-prompts-per-group", type=int, default=4)
-    ap.add_argument("--gsp-system-prompt-len", type=int, default=1024)
-    ap.add_argument("--gsp-question-len", type=int, default=64)
-    ap.add_argument("--gsp-output-len", type=int, default=8)
-    ap.add_argument("--max-concurrency", type=int, default=2)
-    ap.add_argument("--max-total-tokens", type=int, default=4096,
-                    help="device KV pool; below groups x system-prompt-len the device tree must evict")
-    ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, so that "
-                                                  "kv128k really holds 128 KB per token; auto otherwise)")
+    add_workload_args(ap, prompts_per_group=4, system_prompt_len=1024, question_len=64, output_len=8,
+                      max_total_tokens_help="device KV pool; below groups x system-prompt-len the device tree "
+                                            "must evict")
     ap.add_argument("--host-tokens", type=int, default=None,
                     help="write a config with a host tier of this many tokens (instead of --config)")
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--start-timeout", type=float, default=600.0)
-    ap.add_argument("--pass-timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
-    for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
-              "gsp_output_len", "max_concurrency", "max_total_tokens", "passes", "rounds", "dp_size"):
-        if getattr(args, k) <= 0:
-            ap.error(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
+    check_positive(ap, args, WORKLOAD_POSITIVE + ("passes", "rounds", "dp_size"))
     try:
         import datasets  # noqa: F401 - bench_serving imports every dataset loader at start
     except ImportError:
@@ -263,17 +292,10 @@ def main(argv: Optional[List[str]] = None) -> int:
               "datasets==5.2.0; .ci/setup-cpu.sh installs it)", file=sys.stderr)
         return 2
     from flexflow_sglang.config import DEFAULT_CONFIG_PATH
-    from . import resolve_model
     from .stall import _commit
     args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
     os.makedirs(args.out, exist_ok=True)
-    from flexflow_sglang.tools.cpu_support.tiny_model import PRESETS
-    preset = args.model in PRESETS
-    model, model_name = resolve_model(None if preset else args.model, args.out, args.model if preset else "bench")
-    args.dtype = args.dtype or ("float32" if preset else "auto")
-    # a tiny preset's word-level tokenizer does not round-trip bench_serving's generated text (the
-    # server saw 1-token prompts): send the token ids themselves
-    args.tokenize_prompt = preset
+    model, model_name = resolve_served_model(args)
     if args.host_tokens is not None:
         args.config = write_config(args.out, args.host_tokens, args.storage)
     elif args.storage:

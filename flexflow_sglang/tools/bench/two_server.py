@@ -26,6 +26,8 @@ from typing import Callable, List, Optional, Tuple
 
 from tqdm import tqdm
 
+from .sglang_serving import WORKLOAD_POSITIVE, add_workload_args, check_positive, resolve_served_model
+
 KINDS = ("none", "tier-server", "mooncake")
 
 
@@ -168,36 +170,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default="runs/two-server")
     ap.add_argument("--model", default="smollm2", help="'smollm2', a tiny_model preset, or a model dir")
     ap.add_argument("--kinds", default=",".join(KINDS), help="comma list of " + ", ".join(KINDS))
-    ap.add_argument("--gsp-num-groups", type=int, default=8)
-    ap.add_argument("--gsp-prompts-per-group", type=int, default=2)
-    ap.add_argument("--gsp-system-prompt-len", type=int, default=768)
-    ap.add_argument("--gsp-question-len", type=int, default=32)
-    ap.add_argument("--gsp-output-len", type=int, default=4)
-    ap.add_argument("--max-concurrency", type=int, default=2)
-    ap.add_argument("--max-total-tokens", type=int, default=4096)
+    add_workload_args(ap, prompts_per_group=2, system_prompt_len=768, question_len=32, output_len=4)
     ap.add_argument("--host-tokens", type=int, default=32768)
-    ap.add_argument("--dtype", default=None)
-    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--settle-s", type=float, default=3.0, help="pause after each pass (write-through settles)")
-    ap.add_argument("--start-timeout", type=float, default=600.0)
-    ap.add_argument("--pass-timeout", type=float, default=1800.0)
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         ap.error(f"--kinds: unknown {bad}; valid: {', '.join(KINDS)}")
-    for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len", "gsp_question_len",
-              "gsp_output_len", "max_concurrency", "max_total_tokens", "host_tokens"):
-        if getattr(args, k) <= 0:
-            ap.error(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
-    from flexflow_sglang.tools.cpu_support.tiny_model import PRESETS
-    from . import resolve_model
+    check_positive(ap, args, WORKLOAD_POSITIVE + ("host_tokens",))
     from .stall import _commit
     os.makedirs(args.out, exist_ok=True)
-    preset = args.model in PRESETS
-    model, model_name = resolve_model(None if preset else args.model, args.out, args.model if preset else "bench")
-    args.dtype = args.dtype or ("float32" if preset else "auto")
-    args.tokenize_prompt = preset
+    model, model_name = resolve_served_model(args)
     args.passes = 1
     results = []
     for kind in tqdm(kinds, desc="bench two-server", unit="kind"):

@@ -244,7 +244,7 @@ class FlexFlowRadixCache(RadixCache):
                     self.evict(EvictParams(num_tokens=short))
                 slots = alloc.alloc(n)
                 ok = slots is not None and slots.numel() == n
-            loaded = self.connector.load(hit.keys, slots) if ok else None
+            loaded = self.connector.load(hit.keys, slots, fresh_slots=True) if ok else None
             own_ok = ok = loaded is not None and loaded.ok
             # pages from a deeper tier: read inline now, or brought into host memory by the prefetch
             deep_pages = loaded.deep_pages + self._prefetched_pages(req, n) if ok else 0

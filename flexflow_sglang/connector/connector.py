@@ -316,11 +316,15 @@ class FlexFlowConnector:
         self._m["lookup_pages_host"] += in_host
         return n
 
-    def load(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> LoadResult:
+    def load(self, keys: Sequence[bytes], device_slots: torch.Tensor, *, fresh_slots: bool = False) -> LoadResult:
         """Fill the device pool at `device_slots` (len(keys) * page_size page-aligned slots) with the
         pages of `keys`: all or nothing, checksums verified, complete when this returns. A failure
-        (missing page, checksum mismatch, copy error) returns a result with ok False and writes no
-        device slot; on success it says how many pages came from the host and the deeper tiers."""
+        (missing page, checksum mismatch, copy error) returns a result with ok False; on success it
+        says how many pages came from the host and the deeper tiers.
+        `fresh_slots`: the caller just allocated the slots and frees them on a failure, so the copy
+        may verify as it goes (one pass) and leave garbage behind on a mismatch. Otherwise (slots
+        holding the request's own valid KV, host_adopt) pages are verified first and a failure
+        writes no device slot."""
         n = len(keys)
         if n == 0:
             return LoadResult(True)
@@ -336,14 +340,22 @@ class FlexFlowConnector:
                 staging = self._fetch_deep([keys[i] for i in deep_idx])
                 if staging is None:
                     return self._load_failed(n, "page missing from every tier")
-            bad = self.host.first_bad_page(host_pages)
+            if host_pages and fresh_slots and self._fused_load():
+                # one pass: copy and verify together; a mismatch leaves only our fresh slots written
+                bad = self.executor.scatter_verified(self.host.words, host_pages, _pick(dev_pages, in_host, n),
+                                                     self.host.stored_sums(host_pages))
+                if bad >= 0:
+                    self.host.note_checksum_failure()
+            else:
+                bad = self.host.first_bad_page(host_pages)
+                if bad < 0 and host_pages:
+                    self.executor.host_to_device(self.host.words, host_pages, _pick(dev_pages, in_host, n))
             if bad >= 0:
                 self._m["checksum_failures"] += 1
                 self.host.discard([keys[in_host[bad]]])
                 return self._load_failed(n, f"checksum mismatch on host page {host_pages[bad]}")
             if host_pages:
                 self.host.touch([keys[i] for i in in_host])
-                self.executor.host_to_device(self.host.words, host_pages, _pick(dev_pages, in_host, n))
                 changed = self.host.first_changed(host_pages)  # shared tier: rewritten during the copy
                 if changed >= 0:
                     return self._load_failed(n, f"host page {host_pages[changed]} was replaced during the copy")
@@ -359,6 +371,16 @@ class FlexFlowConnector:
         self._m["pages_loaded_deep"] += deep
         self._hits_by_tier["host"] += nh
         return LoadResult(True, n, nh, deep)
+
+    def _fused_store(self) -> bool:
+        """The store's copy also takes the page hashes the host tier commits (one read, not two)."""
+        h = self.host
+        return h.verify_checksums and getattr(h, "fused_hash", False) and self.executor.fused(h.words, True)
+
+    def _fused_load(self) -> bool:
+        """The load verifies inside its copy (checksums on) or copies with the kernels (off)."""
+        h = self.host
+        return getattr(h, "fused_hash", False) and self.executor.fused(h.words, h.verify_checksums)
 
     def _load_failed(self, n: int, why: str) -> LoadResult:
         self._m["load_failures"] += 1
@@ -462,15 +484,21 @@ class FlexFlowConnector:
     def _run_store(self, h: StoreHandle) -> None:
         mkeys, pages, dev_pages, complete = h._work
         h._work = None
+        sums = None
         try:
-            if pages:
+            if pages and self._fused_store():
+                sums = self.executor.gather_hashed(dev_pages, self.host.words, pages)
+            elif pages:
                 self.executor.device_to_host(dev_pages, self.host.words, pages)
         except Exception as e:  # noqa: BLE001
             logger.exception("flexflow: store of %d pages failed", len(pages))
             self.host.release(pages)
             self._store_failed(h, str(e))
             return
-        self.host.commit(mkeys, pages)
+        if sums is not None:
+            self.host.commit(mkeys, pages, sums=sums)
+        else:
+            self.host.commit(mkeys, pages)
         self._m["pages_stored"] += len(pages)
         h.stored_pages = len(pages)
         h.done, h.ok = True, complete

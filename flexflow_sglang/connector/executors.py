@@ -11,8 +11,11 @@ Selecting, reserving, running the legs, releasing and reporting each move is the
 engine's (flexflow_sglang/transfer/engine.py: `TransferEngine.move`, or a `Ticket` for the CUDA
 split whose legs run on concurrent streams); this module only supplies the legs.
 
-Copies are a few large torch ops: per contiguous run of host pages, one `index_select` (gather into a
-strided host view) or `index_copy_` (scatter) per layer and buffer; no per-token Python loops.
+Copies on a CPU pool go through the compiled copy kernels (connector/copy_kernels.py: one nogil pass
+per page, the page hash fused into it, so a store gets its checksums and a load its verification
+without a second read: `gather_hashed`, `scatter_verified`). Elsewhere (CUDA pools, no build) they are
+a few large torch ops: per contiguous run of host pages, one `index_select` (gather into a strided
+host view) or `index_copy_` (scatter) per layer and buffer; no per-token Python loops.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import logging
 import time
 from typing import Dict, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import TransferError
 from ..selector import PathType
 from ..transfer import MoveStats, TransferEngine
+from .copy_kernels import PageCopier
 from .host_tier import contiguous_runs
 from .layout import KVLayout
 
@@ -52,6 +57,14 @@ class TransferExecutor:
         self._cuda = layout.device.type == "cuda"
         self._streams: Dict[int, "torch.cuda.Stream"] = {}
         self.wait_stream = None  # CUDA: the forward stream copies must follow (set by the cache)
+        # compiled fused copy+hash (CPU pools); None where the kernels cannot address the pool
+        copier = PageCopier(layout) if layout.device.type == "cpu" else None
+        self.copier = copier if copier is not None and copier.compiled else None
+
+    def fused(self, host: torch.Tensor, with_sums: bool) -> bool:
+        """Whether moves to/from `host` run through the compiled kernels (with the page hash when
+        `with_sums`): the connector then skips its separate checksum pass."""
+        return self.copier is not None and self.copier.usable(host, with_sums)
 
     # ----------------------------------------------------------------- public moves
     def device_to_host(self, dev_pages: torch.Tensor, dst: torch.Tensor, dst_pages: Sequence[int]) -> MoveStats:
@@ -62,8 +75,27 @@ class TransferExecutor:
         """Copy rows `src_pages` of `src[N, page_words]` into device pages `dev_pages`."""
         return self._move("h2d", dev_pages, src, list(src_pages))
 
+    def gather_hashed(self, dev_pages: torch.Tensor, dst: torch.Tensor, dst_pages: Sequence[int]) -> torch.Tensor:
+        """device_to_host that also returns each page's hash (int64[n], copy_kernels' hash), taken
+        from the words as they are copied. Only where `fused(dst, True)`."""
+        f = _Fused(len(dst_pages), want_sums=True)
+        self._move("d2h", dev_pages, dst, list(dst_pages), f)
+        return torch.from_numpy(f.sums)
+
+    def scatter_verified(self, src: torch.Tensor, src_pages: Sequence[int], dev_pages: torch.Tensor,
+                         expect: Optional[torch.Tensor]) -> int:
+        """host_to_device that checks each page against `expect` (its stored hash) in the same pass:
+        the index of the first page that differs, or -1. Every page is copied either way; on a
+        mismatch the caller drops the load (its fresh slots hold nothing anyone reads yet).
+        `expect` None: a plain compiled copy (-1). Only where `fused(src, expect is not None)`."""
+        f = _Fused(len(src_pages), expect=None if expect is None else
+                   np.ascontiguousarray(expect.cpu().numpy(), dtype=np.int64).reshape(-1))
+        self._move("h2d", dev_pages, src, list(src_pages), f)
+        return f.bad
+
     # ----------------------------------------------------------------- decision handling
-    def _move(self, direction: str, dev_pages: torch.Tensor, host: torch.Tensor, host_pages: List[int]) -> MoveStats:
+    def _move(self, direction: str, dev_pages: torch.Tensor, host: torch.Tensor, host_pages: List[int],
+              fused: "Optional[_Fused]" = None) -> MoveStats:
         n = len(host_pages)
         if n == 0:
             return MoveStats()
@@ -88,8 +120,15 @@ class TransferExecutor:
                 stats = ticket.close()
         else:
             # local copies move each leg in one piece (chunking would only add per-layer op calls)
-            stats = self.engine.move(src, dst, n, P, lambda sub, u0, u1: self._leg(
-                direction, sub, dev_pages[u0:u1], host, host_pages[u0:u1]), chunked=False)
+            if fused is None and self.fused(host, False):
+                fused = _Fused(n)  # a plain copy: the kernels still beat torch's per-segment ops
+            if fused is not None:
+                def leg(sub, u0, u1):
+                    self._fused_leg(direction, fused, u0, dev_pages[u0:u1], host, host_pages[u0:u1])
+            else:
+                def leg(sub, u0, u1):
+                    self._leg(direction, sub, dev_pages[u0:u1], host, host_pages[u0:u1])
+            stats = self.engine.move(src, dst, n, P, leg, chunked=False)
         logger.debug("flexflow %s %d pages (%d B) via %s", direction, n, n * P, stats.path_type)
         return stats
 
@@ -109,6 +148,19 @@ class TransferExecutor:
             self._gather(dev_pages, host, host_pages)
         else:
             self._scatter(host, host_pages, dev_pages)
+
+    def _fused_leg(self, direction: str, f: "_Fused", u0: int, dev_pages: torch.Tensor, host: torch.Tensor,
+                   host_pages: List[int]) -> None:
+        """One leg through the compiled kernels (CPU: every path type is a local copy here)."""
+        if direction == "d2h":
+            sums = self.copier.gather(dev_pages, host, host_pages, with_sums=f.want_sums)
+            if sums is not None:
+                f.sums[u0:u0 + len(host_pages)] = sums.numpy()
+            return
+        exp = None if f.expect is None else torch.from_numpy(f.expect[u0:u0 + len(host_pages)])
+        bad = self.copier.scatter(host, host_pages, dev_pages, expect=exp)
+        if bad >= 0 and (f.bad < 0 or u0 + bad < f.bad):
+            f.bad = u0 + bad
 
     # ----------------------------------------------------------------- copies
     def _gather(self, dev_pages: torch.Tensor, dst: torch.Tensor, dst_pages: List[int]) -> None:
@@ -255,3 +307,17 @@ class TransferExecutor:
 
     def bandwidth_by_type(self) -> Dict[str, Dict[str, float]]:
         return self.engine.bandwidth_by_type()
+
+
+class _Fused:
+    """Per-move state of a fused copy: the hashes a gather produces, or the hashes a scatter checks
+    and the first page that failed (legs fill their own slice)."""
+    __slots__ = ("want_sums", "sums", "expect", "bad")
+
+    def __init__(self, n: int, *, want_sums: bool = False, expect: Optional[np.ndarray] = None):
+        self.want_sums = want_sums
+        self.sums = np.zeros(n, dtype=np.int64) if want_sums else None
+        self.expect = expect
+        if expect is not None and len(expect) != n:
+            raise TransferError(f"scatter_verified: {len(expect)} checksums for {n} pages")
+        self.bad = -1

@@ -36,6 +36,9 @@ def contiguous_runs(ids: Sequence[int]) -> List[Tuple[int, int, int]]:
 
 class HostTier:
     name = "host"
+    #: page hashes are copy_kernels' hash: a fused gather's sums can be committed as they are, and a
+    #: load can be verified inside the copy (TransferExecutor.gather_hashed / scatter_verified)
+    fused_hash = True
 
     def __init__(self, page_words: int, word_dtype: torch.dtype, capacity_pages: int, *, node: Optional[str] = None,
                  verify_checksums: bool = True, pin_memory: bool = False):
@@ -158,10 +161,13 @@ class HostTier:
                 out.append(p)
         return out
 
-    def commit(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
-        """Make reserved, written pages visible under `keys` (checksummed if enabled)."""
+    def commit(self, keys: Sequence[bytes], pages: Sequence[int], sums: Optional[torch.Tensor] = None) -> None:
+        """Make reserved, written pages visible under `keys` (checksummed if enabled). `sums`: the
+        pages' hashes as the fused store computed them (else they are read back here)."""
         if self.verify_checksums and pages:
-            self._sums[torch.as_tensor(pages, dtype=torch.long)] = self.page_sums(pages)
+            if sums is None or len(sums) != len(pages):
+                sums = self.page_sums(pages)
+            self._sums[torch.as_tensor(pages, dtype=torch.long)] = sums
         lru = self._lru
         for k, p in zip(keys, pages):
             old = lru.pop(k, None)
@@ -181,6 +187,15 @@ class HostTier:
         (connector/copy_kernels.py, issue 15)."""
         from .copy_kernels import hash_rows
         return hash_rows(self.words, pages)
+
+    def stored_sums(self, pages: Sequence[int]) -> Optional[torch.Tensor]:
+        """The hashes taken when `pages` were committed (None: checksums are off)."""
+        if not self.verify_checksums:
+            return None
+        return self._sums[torch.as_tensor(list(pages), dtype=torch.long)]
+
+    def note_checksum_failure(self) -> None:
+        self.checksum_failures += 1
 
     def first_bad_page(self, pages: Sequence[int]) -> int:
         """Index (into `pages`) of the first page whose checksum does not match, or -1."""

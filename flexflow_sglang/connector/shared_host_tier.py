@@ -114,6 +114,9 @@ def _layout(capacity: int, page_words: int, word_size: int) -> Dict[str, Tuple[i
 class SharedHostTier:
     name = "host"
     shared = True
+    #: its checksum is a word sum over shared memory, not copy_kernels' hash: loads verify in a
+    #: separate pass and also check generations (first_changed)
+    fused_hash = False
 
     def __init__(self, page_words: int, word_dtype: torch.dtype, capacity_pages: int, *, node: Optional[str] = None,
                  verify_checksums: bool = True, pin_memory: bool = False, fingerprint: str = "",

@@ -248,9 +248,14 @@ def test_stale_promise_and_missing_request(envs):
 def test_store_failure_keeps_invariants(envs, monkeypatch):
     env = envs()
 
-    def boom(*a, **k):
-        raise RuntimeError("injected D2H failure")
-    monkeypatch.setattr(env.connector.executor, "device_to_host", boom)
+    ex = env.connector.executor
+    real = ex._move
+
+    def boom(direction, *a, **k):  # every copy in this direction fails (fused kernels or torch)
+        if direction == "d2h":
+            raise RuntimeError("injected D2H failure")
+        return real(direction, *a, **k)
+    monkeypatch.setattr(ex, "_move", boom)
     ids = list(range(50, 70))
     serve(env, "a", ids)
     evict_all(env)
@@ -267,9 +272,14 @@ def test_load_failure_is_a_miss_and_frees_slots(envs, monkeypatch, ps):
     serve(env, "a", ids)
     evict_all(env)
 
-    def boom(*a, **k):
-        raise RuntimeError("injected H2D failure")
-    monkeypatch.setattr(env.connector.executor, "host_to_device", boom)
+    ex = env.connector.executor
+    real = ex._move
+
+    def boom(direction, *a, **k):  # every copy in this direction fails (fused kernels or torch)
+        if direction == "h2d":
+            raise RuntimeError("injected H2D failure")
+        return real(direction, *a, **k)
+    monkeypatch.setattr(ex, "_move", boom)
     b = serve(env, "b", ids + [1] * ps)
     assert b.host_hit > 0 and b.loaded == 0 and b.prefix_len == 0 and b.kv_ok
     assert env.tree.metrics()["load_back_failures"] == 1

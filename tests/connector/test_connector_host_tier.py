@@ -173,10 +173,30 @@ def test_checksum_mismatch_is_a_miss(make_conn):
     dst = rand_slots(10, 2, 9)
     snap = snapshot(kv, dst)
     assert not c.load(keys, dst)
-    assert same(kv, dst, snap)  # verified before any device write
+    assert same(kv, dst, snap)  # slots the caller still owns: verified before any device write
     assert c.lookup(keys) == 3  # the corrupt page (and what follows) is gone
     m = c.metrics()
     assert m["checksum_failures"] == 1 and m["host_tier"]["checksum_failures"] == 1
+
+
+@pytest.mark.parametrize("page", [3, 7])
+def test_fresh_slot_load_verifies_inside_the_copy(make_conn, page):
+    """init_load_back's loads (fresh slots, freed on a miss) verify in the copy pass itself: a
+    flipped word on any page is still a miss, and an intact load is byte-exact."""
+    kv = mha(ps=2)
+    c = make_conn(kv, 2)
+    assert c._fused_store() and c._fused_load()  # the compiled kernels, not the torch fallback
+    keys = c.page_keys(list(range(20)))
+    src = rand_slots(10, 2, 8)
+    c.store(keys, src)
+    want = snapshot(kv, src)  # the slot sets may overlap: compare with the stored bytes
+    dst = rand_slots(10, 2, 9)
+    assert c.load(keys, dst, fresh_slots=True)
+    assert same(kv, dst, want)
+    c.host.words[c.host.page_of(keys[page]), 11] ^= 1 << 3  # one flipped bit
+    assert not c.load(keys, rand_slots(10, 2, 10), fresh_slots=True)
+    assert c.lookup(keys) == page
+    assert c.metrics()["checksum_failures"] == 1
 
 
 def test_checksums_off_skips_verification(make_conn):
@@ -208,9 +228,14 @@ def test_store_failure_releases_pages(make_conn, monkeypatch):
     c = make_conn(kv, 1)
     keys = c.page_keys(list(range(6)))
 
-    def boom(*a, **k):
-        raise RuntimeError("injected")
-    monkeypatch.setattr(c.executor, "device_to_host", boom)
+    ex = c.executor
+    real = ex._move
+
+    def boom(direction, *a, **k):  # every copy in this direction fails (fused kernels or torch)
+        if direction == "d2h":
+            raise RuntimeError("injected")
+        return real(direction, *a, **k)
+    monkeypatch.setattr(ex, "_move", boom)
     h = c.store(keys, rand_slots(6, 1, 15))
     assert h.done and not h.ok
     assert c.lookup(keys) == 0 and c.host.free_pages == c.host.capacity_pages

@@ -105,7 +105,7 @@ def _one_mode(layers_bufs, page_size: int, num_pages: int, repeats: int, verify:
             sync()
             t_copy2 = time.perf_counter() - t0
             t0 = time.perf_counter()
-            ok = conn.load(keys, dst_slots.to(device)).ok
+            ok = conn.load(keys, dst_slots.to(device), fresh_slots=True).ok  # as init_load_back
             sync()
             t_load = time.perf_counter() - t0
             if not ok:

@@ -538,9 +538,12 @@ class Sender:
     def _tr(self, now, force=False):
         if force or now - self._last_trace >= 0.005:
             self._last_trace = now
-            u = self.agent.util
+            u, e = self.agent.util, self.agent_el
+            # [t, util n0-n2, n0-n1, n1-n2 (default agent), elastic agent: util n0-n2, its sampled
+            # foreign load, its yield estimate]
             self.trace.append([round(now, 6), round(float(u[self.l02]), 4), round(float(u[self.l01]), 4),
-                               round(float(u[self.l12]), 4)])
+                               round(float(u[self.l12]), 4), round(float(e.util[self.l02]), 4),
+                               round(float(e._sampled[self.l02]), 4), round(float(e.elastic_est[self.l02]), 3)])
 
     def transfer(self, xid: int, policy: str, nbytes: int, deadline: Optional[float] = None,
                  report: Optional[str] = None) -> dict:

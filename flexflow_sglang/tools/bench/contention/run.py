@@ -57,10 +57,10 @@ SCENARIOS = {  # name: (kind, pct, flows)
 # moderate sizes first, so that slow policies under heavy contention still complete a useful prefix
 FULL = dict(scenarios=list(SCENARIOS), seq_mib=[16, 1, 4, 2, 8, 32, 64, 16, 128, 256], block_s=9.0,
             baseline_s=2.0, settle_s=1.0, reaction=("bg_udp95", "bg_tcp3", "cap100"), reaction_size_mib=16,
-            reaction_pre_s=1.5, reaction_post_s=2.5, reaction_trials=3, ablation_n=10)
+            reaction_pre_s=1.5, reaction_post_s=2.5, reaction_trials=3, ablation_n=10, repeats=3)
 QUICK = dict(scenarios=["idle", "udp85", "tcp3"], seq_mib=[16, 1, 4, 2, 8, 32, 64], block_s=3.5, baseline_s=1.0,
              settle_s=0.8, reaction=("bg_udp95", "cap100"), reaction_size_mib=16, reaction_pre_s=1.0,
-             reaction_post_s=1.5, reaction_trials=1, ablation_n=0)
+             reaction_post_s=1.5, reaction_trials=1, ablation_n=0, repeats=1)
 GAP_S = 0.3  # between policy blocks: > 2 sampling intervals, so the NodeAgent's counters forget the last block
 
 
@@ -106,11 +106,14 @@ def run_block(lab: ContentionLab, policy: str, seq: List[int], block_s: float) -
         r = lab.xfer(policy, mib * MiB, deadline=deadline, timeout=block_s + 120)
         out.append(r)
     v1 = {d: lab.net.iface_bytes("n0", d)[0] for d in ("v01", "v02")}
-    return {"policy": policy, "transfers": out, "wall_s": time.monotonic() - t_block,
-            "tx_bytes": {d: v1[d] - v0[d] for d in v0}}
+    blk = {"policy": policy, "transfers": out, "wall_s": time.monotonic() - t_block,
+           "tx_bytes": {d: v1[d] - v0[d] for d in v0}}
+    if policy in ADAPTIVE:  # what both NodeAgents showed the selectors during the block (node.Sender._tr)
+        blk["trace"] = lab.trace(t_block - 0.05)
+    return blk
 
 
-def run_scenario(lab: ContentionLab, name: str, cfg: dict, progress) -> dict:
+def run_scenario(lab: ContentionLab, name: str, cfg: dict, progress, rep: str = "") -> dict:
     kind, pct, flows = SCENARIOS[name]
     col = 1 if kind == "udp" else 2
     res = {"name": name, "background": {"kind": kind, "pct": pct, "flows": flows}, "blocks": {}}
@@ -133,7 +136,8 @@ def run_scenario(lab: ContentionLab, name: str, cfg: dict, progress) -> dict:
                 ser = lab.series(t_b - 0.05)["series"]
                 blk["bg_with_mbps"] = _bg_rate(ser, [(r["t0"], r["t1"]) for r in blk["transfers"]], col)
             res["blocks"][pol] = blk
-            progress(f"{name:6s} {pol:9s} {len(blk['transfers'])} transfers in {blk['wall_s']:.1f} s")
+            progress(f"{rep}{name:6s} {pol:16s} {len(blk['transfers'])} transfers in {blk['wall_s']:.1f} s, "
+                     f"{_mbps(sum(r['delivered'] for r in blk['transfers']), sum(r['seconds'] for r in blk['transfers'])) or 0:.0f} Mbit/s")
     finally:
         lab.stop_background()
     return res
@@ -198,6 +202,66 @@ def summarize_scenario(sc: dict) -> dict:
                                  "mbps": [p["mbps"] for p in probes],
                                  "est_end": (el["transfers"][-1].get("elastic_est") or [None] * 2)[1]
                                  if el["transfers"] else None}
+    return out
+
+
+def _spread(vals) -> Optional[dict]:
+    vals = [float(v) for v in vals if v is not None]
+    if not vals:
+        return None
+    return {"median": _pct(vals, 50), "min": min(vals), "max": max(vals), "n": len(vals), "values": vals}
+
+
+#: per-policy figures aggregated over repeats (median reported, min/max/values kept in `<key>_spread`)
+_AGG_KEYS = ("throughput_mbps", "p50_ms", "p99_ms", "direct_share", "block_throughput_mbps", "tx_share_v02",
+             "bg_with_mbps", "bg_kept")
+
+
+def aggregate_scenario(reps: List[dict]) -> dict:
+    """One scenario over its repeats (each a summarize_scenario() result). Every figure is the
+    median over the repeats, with min / max / values in `<key>_spread`. Ratios (`<pol>_vs`,
+    `<pol>_vs_best_fixed`, `bg_<pol>_vs_direct`) are taken within each repeat first (the same work
+    under the same background, run minutes apart from the other repeats), then summarised the same
+    way, so one lucky or unlucky repeat cannot carry a claim."""
+    out = {"repeats": len(reps), "n_common": int(_pct([r["n_common"] for r in reps], 50)),
+           "n_common_all": [r["n_common"] for r in reps], "policies": {}}
+    for pol in reps[0]["policies"]:
+        ps = [r["policies"][pol] for r in reps]
+        a: dict = {}
+        for key in _AGG_KEYS:
+            sp = _spread([p.get(key) for p in ps])
+            a[key] = sp["median"] if sp else None
+            if sp:
+                a[f"{key}_spread"] = sp
+        paths: Dict[str, int] = {}
+        for p in ps:
+            for k, v in p["paths"].items():
+                paths[k] = paths.get(k, 0) + v
+        a["paths"] = paths
+        a["verified"] = all(p["verified"] for p in ps)
+        for key in ("n_verified", "n_complete", "n_block"):
+            a[key] = sum(p[key] for p in ps)
+        out["policies"][pol] = a
+    pp = out["policies"]
+    out["best_fixed"] = max(FIXED, key=lambda q: pp[q]["throughput_mbps"] or 0.0)
+    out["best_fixed_per_repeat"] = [r["best_fixed"] for r in reps]
+    for pol in ADAPTIVE:
+        if f"{pol}_vs" not in reps[0]:
+            continue
+        vs = {q: _spread([r[f"{pol}_vs"][q] for r in reps]) for q in FIXED}
+        out[f"{pol}_vs"] = {q: sp["median"] if sp else None for q, sp in vs.items()}
+        out[f"{pol}_vs_spread"] = vs
+        sp = _spread([r[f"{pol}_vs_best_fixed"] for r in reps])
+        out[f"{pol}_vs_best_fixed"] = sp["median"] if sp else None
+        out[f"{pol}_vs_best_fixed_spread"] = sp
+        sp = _spread([r.get(f"bg_{pol}_vs_direct") for r in reps])
+        if sp:
+            out[f"bg_{pol}_vs_direct"] = sp["median"]
+            out[f"bg_{pol}_vs_direct_spread"] = sp
+    pr = [r["elastic_probes"] for r in reps if r.get("elastic_probes")]
+    if pr:
+        out["elastic_probes"] = {"n": [p["n"] for p in pr], "mib": [p["mib"] for p in pr],
+                                 "mbps": [m for p in pr for m in p["mbps"]], "est_end": [p["est_end"] for p in pr]}
     return out
 
 
@@ -342,78 +406,119 @@ def run_ablation(lab: ContentionLab, n: int, seq: List[int], block_s: float, pro
 
 # ----------------------------------------------------------------------------- targets + output
 def evaluate_targets(summary: dict) -> List[dict]:
+    """Every target is judged on the median over the repeats of each scenario's ratio (taken
+    within a repeat); `min` is the worst repeat of the worst scenario, shown next to it."""
     S = summary["scenarios"]
     t = []
 
-    def add(name, value, goal, ok, detail=""):
-        t.append({"target": name, "value": value, "goal": goal, "met": bool(ok) if value is not None else None,
-                  "detail": detail})
+    def add(name, value, vmin, goal, ok, detail=""):
+        t.append({"target": name, "value": value, "min": vmin, "goal": goal,
+                  "met": bool(ok) if value is not None else None, "detail": detail})
+
+    def one(sp, key="median"):
+        return None if not sp else sp[key]
+
+    def det(items):  # "udp50 1.35 (min 1.30)"
+        return ", ".join(f"{n} {sp['median']:.2f}" + (f" (min {sp['min']:.2f})" if sp["n"] > 1 else "") + extra
+                         for n, sp, extra in items if sp)
+
+    def worst(vals, goal):
+        vals = {n: sp for n, sp in vals.items() if sp}
+        if not vals:
+            return None, None, False
+        w = min(vals, key=lambda n: vals[n]["median"])
+        return vals[w]["median"], min(sp["min"] for sp in vals.values()), \
+            all(sp["median"] >= goal for sp in vals.values())
 
     cont = [n for n in S if n != "idle"]
     for pol in ADAPTIVE:
         if not all(f"{pol}_vs" in S[n] for n in S):
             continue
         if "udp85" in S:
-            v = S["udp85"][f"{pol}_vs"]["direct"]
-            add(f"{pol} / always-direct at 85% UDP load", v, ">= 1.8", v is not None and v >= 1.8)
+            sp = S["udp85"][f"{pol}_vs_spread"]["direct"]
+            add(f"{pol} / always-direct at 85% UDP load", one(sp), one(sp, "min"), ">= 1.8",
+                sp is not None and sp["median"] >= 1.8)
         if "idle" in S:
-            v = S["idle"][f"{pol}_vs"]["direct"]
-            add(f"{pol} / always-direct at idle", v, ">= 0.97", v is not None and v >= 0.97)
-        vals = {n: S[n][f"{pol}_vs"]["multirail"] for n in cont}
+            sp = S["idle"][f"{pol}_vs_spread"]["direct"]
+            add(f"{pol} / always-direct at idle", one(sp), one(sp, "min"), ">= 0.97",
+                sp is not None and sp["median"] >= 0.97)
+        vals = {n: S[n][f"{pol}_vs_spread"]["multirail"] for n in cont}
         if vals:
-            worst = min(vals, key=lambda n: vals[n] or 0)
-            add(f"{pol} / UCX multi-rail under contention (worst scenario)", vals[worst], ">= 1.3",
-                all(v is not None and v >= 1.3 for v in vals.values()),
-                ", ".join(f"{n} {v:.2f}" for n, v in vals.items() if v is not None))
-        vals = {n: S[n][f"{pol}_vs_best_fixed"] for n in S}
-        worst = min(vals, key=lambda n: vals[n] or 0)
-        add(f"{pol} / best fixed policy in hindsight (worst scenario)", vals[worst], ">= 0.90",
-            all(v is not None and v >= 0.90 for v in vals.values()),
-            ", ".join(f"{n} {v:.2f} vs {S[n]['best_fixed']}" for n, v in vals.items() if v is not None))
-        vals = {n: S[n].get(f"bg_{pol}_vs_direct") for n in cont}
-        vals = {n: v for n, v in vals.items() if v is not None}
+            v, vmin, ok = worst(vals, 1.3)
+            add(f"{pol} / UCX multi-rail under contention (worst scenario)", v, vmin, ">= 1.3", ok,
+                det((n, sp, "") for n, sp in vals.items()))
+        vals = {n: S[n][f"{pol}_vs_best_fixed_spread"] for n in S}
+        v, vmin, ok = worst(vals, 0.90)
+        add(f"{pol} / best fixed policy in hindsight (worst scenario)", v, vmin, ">= 0.90", ok,
+            det((n, sp, f" vs {S[n]['best_fixed']}") for n, sp in vals.items()))
+        vals = {n: S[n].get(f"bg_{pol}_vs_direct_spread") for n in cont}
+        vals = {n: sp for n, sp in vals.items() if sp}
         if vals:
-            worst = min(vals, key=lambda n: vals[n])
-            add(f"background delivered rate, {pol} / always-direct (worst scenario)", vals[worst],
-                ">= 0.98 (no worse, 2% noise allowance)", all(v >= 0.98 for v in vals.values()),
-                ", ".join(f"{n} {v:.2f}" for n, v in vals.items()))
+            v, vmin, ok = worst(vals, 0.98)
+            add(f"background delivered rate, {pol} / always-direct (worst scenario)", v, vmin,
+                ">= 0.98 (no worse, 2% noise allowance)", ok, det((n, sp, "") for n, sp in vals.items()))
     return t
 
 
 def markdown_table(summary: dict, cmd: str) -> str:
-    L = [f"Command: `{cmd}`  ",
-         f"Machine: {summary['env']['cpus']} CPUs, kernel {summary['env']['kernel']}, TCP congestion control "
-         f"`{summary['env']['tcp_cc']}`, MTU {summary['env']['mtu']}, links {summary['env']['rate']} (tbf), "
-         f"selector core `{summary['env']['selector_impl']}`, load average at start {summary['env']['loadavg']}, "
-         f"total {summary['wall_s']:.0f} s.", "",
-         "| scenario | policy | n | Mbit/s | p50 ms | p99 ms | paths (n) | direct share | background kept | verified |",
+    env = summary["env"]
+    reps = summary["config"].get("repeats", 1)
+    commit = env.get("commit") or "unknown"
+    if env.get("commit_dirty"):
+        commit += " + uncommitted changes in " + ", ".join(env["commit_dirty"])
+    L = [f"Command: `{cmd}`, at commit {commit}.  ",
+         f"Machine: {env['cpus']} CPUs, kernel {env['kernel']}, TCP congestion control "
+         f"`{env['tcp_cc']}`, MTU {env['mtu']}, links {env['rate']} (tbf), "
+         f"selector core `{env['selector_impl']}`, load average at start {env['loadavg']}, "
+         f"at the end {env.get('loadavg_end', '-')}, total {summary['wall_s']:.0f} s.  ",
+         f"Repeats: every scenario ran {reps} time(s) (all scenarios once, then again); figures are the median "
+         "over the repeats with (min-max) where it matters, ratios are taken within each repeat first."
+         + (" **Quick mode: one repeat, so min = median; not enough to judge a target.**" if reps < 2 else ""), "",
+         "| scenario | policy | n | Mbit/s median (min-max) | p50 ms | p99 ms | paths (n, all repeats) | direct share "
+         "| background kept median (min) | verified |",
          "|---|---|---|---|---|---|---|---|---|---|"]
+    f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"
+
+    def mm(p, key, pct=False):
+        sp = p.get(f"{key}_spread")
+        if not sp:
+            return "-"
+        g = (lambda x: f"{x:.0%}") if pct else (lambda x: f"{x:.0f}")
+        if sp["n"] < 2:
+            return g(sp["median"])
+        return f"{g(sp['median'])} ({g(sp['min'])})" if pct else f"{g(sp['median'])} ({g(sp['min'])}-{g(sp['max'])})"
     for name, sc in summary["scenarios"].items():
+        ns = sc.get("n_common_all", [sc["n_common"]])
+        n = str(ns[0]) if len(set(ns)) == 1 else "/".join(str(x) for x in ns)
         for pol in POLICIES:
             p = sc["policies"][pol]
-            f = lambda x, d=0: "-" if x is None else f"{x:.{d}f}"
             paths = " ".join(f"{k}:{v}" for k, v in sorted(p["paths"].items()))
-            bg = f"{p['bg_kept']:.0%}" if p.get("bg_kept") is not None else "-"
             ds = f"{p['direct_share']:.0%}" if p.get("direct_share") is not None else \
                 (f"{p['tx_share_v02']:.0%} (v02 tx counter)" if name == "idle" else "-")
-            L.append(f"| {name} | {pol} | {sc['n_common']} | {f(p['throughput_mbps'])} | {f(p['p50_ms'])} | "
-                     f"{f(p['p99_ms'])} | {paths} | {ds} | {bg} | {p['n_verified']}/{p['n_complete']} |")
-    L += ["", "Paths for the adaptive policies: S = SplitPath, R = CrossNodeRelay (through n1), D = Direct. "
+            L.append(f"| {name} | {pol} | {n} | {mm(p, 'throughput_mbps')} | {f(p['p50_ms'])} | "
+                     f"{f(p['p99_ms'])} | {paths} | {ds} | {mm(p, 'bg_kept', True)} | "
+                     f"{p['n_verified']}/{p['n_complete']} |")
+    L += ["", "n: the common prefix of the payload sequence that every policy finished (per repeat when they differ). "
+          "Paths for the adaptive policies: S = SplitPath, R = CrossNodeRelay (through n1), D = Direct. "
           "Direct share: bytes that crossed the direct link (after work stealing).", ""]
     probes = {n: sc["elastic_probes"] for n, sc in summary["scenarios"].items() if sc.get("elastic_probes")}
     if probes:
         def one(n, p):
-            est = "-" if p["est_end"] is None or p["est_end"] < 0 else f"{p['est_end']:.2f}"
+            est = "/".join("-" if e is None or e < 0 else f"{e:.2f}" for e in p["est_end"])
             rates = "/".join(f"{m:.0f}" for m in p["mbps"]) or "-"
-            return f"{n} {p['n']} probe(s), {p['mib']:.0f} MiB at {rates} Mbit/s, estimate {est}"
+            return (f"{n} {'/'.join(str(x) for x in p['n'])} probe(s), "
+                    f"{'/'.join(f'{m:.0f}' for m in p['mib'])} MiB at {rates} Mbit/s, estimate {est}")
         L += ["Elastic-sharing probes (adaptive-elastic: dummy traffic on n0-n2 apart from the transfers; "
-              "the direct link's yield estimate at the end of the block): "
+              "per repeat, the direct link's yield estimate at the end of the block): "
               + "; ".join(one(n, p) for n, p in probes.items()) + ".", ""]
-    L += ["| target | value | goal | met | detail |", "|---|---|---|---|---|"]
+    L += ["Targets, judged on the median over the repeats (min: the worst repeat of any scenario):", "",
+          "| target | median | min | goal | met (median) | detail: median (min) per scenario |",
+          "|---|---|---|---|---|---|"]
     for t in summary["targets"]:
         v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        vmin = "-" if t.get("min") is None else f"{t['min']:.2f}"
         met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
-        L.append(f"| {t['target']} | {v} | {t['goal']} | {met} | {t['detail']} |")
+        L.append(f"| {t['target']} | {v} | {vmin} | {t['goal']} | {met} | {t['detail']} |")
     if summary.get("reaction"):
         L += ["", "Sudden changes: median (min-max) over trials; times from the change.", "",
               "| change | trials | util > 80% seen after | first transfer avoiding direct started | "
@@ -460,18 +565,23 @@ def plot(summary: dict, raw: dict, path: str) -> None:
                             (axes[0, 1], "p99_ms", "p99 completion time (ms, log)")):
         for i, pol in enumerate(POLICIES):
             vals = [S[n]["policies"][pol][key] or 0 for n in names]
-            ax.bar(x + (i - mid) * w, vals, w, label=pol, color=colors[pol])
+            sps = [S[n]["policies"][pol].get(f"{key}_spread") for n in names]
+            err = np.array([[v - sp["min"], sp["max"] - v] if sp else [0.0, 0.0] for v, sp in zip(vals, sps)]).T
+            ax.bar(x + (i - mid) * w, vals, w, label=pol, color=colors[pol], yerr=err, capsize=2,
+                   error_kw={"elinewidth": 0.8})
         ax.set_xticks(x, [f"{n}\n(n={S[n]['n_common']})" for n in names])
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     axes[0, 1].set_yscale("log")
     axes[0, 0].legend(fontsize=8, ncol=3)
-    axes[0, 0].set_title("same transfers for every policy (n = common prefix)", fontsize=10)
+    reps = summary["config"].get("repeats", 1)
+    axes[0, 0].set_title(f"same transfers for every policy (n = common prefix); median of {reps} repeat(s), "
+                         "bars: min-max", fontsize=10)
     axes[0, 1].set_title("completion time, p99 of the same transfers", fontsize=10)
     ax = axes[0, 2]
     cn = [n for n in names if n != "idle"]
     for i, pol in enumerate(POLICIES):
-        vals = [(S[n]["policies"][pol].get("bg_kept") or 0) * 100 for n in cn]
+        vals = [(S[n]["policies"][pol].get("bg_kept") or 0) * 100 for n in cn]  # median over repeats
         ax.bar(np.arange(len(cn)) + (i - mid) * w, vals, w, label=pol, color=colors[pol])
     ax.set_xticks(np.arange(len(cn)), cn)
     ax.set_ylabel("background delivered rate (% of alone)")
@@ -512,7 +622,8 @@ def plot(summary: dict, raw: dict, path: str) -> None:
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower left")
     fig.suptitle("flexflow-sglang contention benchmark: n0 -> n2 over 1 Gbit/s veth links (tbf), NIXL UCX over TCP"
-                 + (" [quick]" if summary.get("quick") else ""))
+                 + (" [quick]" if summary.get("quick") else "")
+                 + f" - at {summary['env'].get('commit') or '?'}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -531,6 +642,27 @@ def update_doc(path: str, table: str) -> None:
 
 
 # ----------------------------------------------------------------------------- main
+#: code the figures depend on: a change here that is not committed makes the commit hash a lie
+_MEASURED_CODE = ("flexflow_sglang/monitor", "flexflow_sglang/selector", "flexflow_sglang/tools/bench/contention",
+                  "benchmarks/contention.py", "csrc")
+
+
+def _git_commit():
+    """(short HEAD, [measured-code paths with uncommitted changes]) of the checkout this runs from,
+    (None, []) outside a git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))))
+    try:
+        import subprocess
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        st = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", *_MEASURED_CODE],
+                            capture_output=True, text=True, timeout=10, check=True).stdout
+    except Exception:  # noqa: BLE001 - no git, not a checkout
+        return None, []
+    return head or None, sorted({line[3:].strip() for line in st.splitlines() if line.strip()})
+
+
 def main(argv=None) -> int:
     try:
         return _main(argv)
@@ -543,7 +675,9 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="contention", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for results.json, results.md and logs")
-    ap.add_argument("--quick", action="store_true", help="3 scenarios, shorter blocks (~90 s)")
+    ap.add_argument("--quick", action="store_true", help="3 scenarios, shorter blocks, one repeat (~90 s)")
+    ap.add_argument("--repeats", type=int, default=None, metavar="N",
+                    help="run every scenario N times (default 3; 1 with --quick) and report min / median")
     ap.add_argument("--img-dir", default="docs/img", help="where the PNG goes (default docs/img)")
     ap.add_argument("--update-doc", default=None, metavar="MD",
                     help="rewrite the results block of this markdown file (e.g. docs/contention.md)")
@@ -569,6 +703,11 @@ def _main(argv=None) -> int:
         cfg["scenarios"] = args.scenarios.split(",")
     if args.no_reaction:
         cfg["reaction"] = ()
+    if args.repeats is not None:
+        if args.repeats < 1:
+            print("--repeats must be >= 1", file=sys.stderr)
+            return 2
+        cfg["repeats"] = args.repeats
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.img_dir, exist_ok=True)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -585,15 +724,26 @@ def _main(argv=None) -> int:
             signal.signal(s, _sig)
 
     t_start = time.monotonic()
+    loadavg0 = round(os.getloadavg()[0], 2)
     sweep_stale()
-    cmd = "python benchmarks/contention.py --out DIR" + (" --quick" if args.quick else "")
+    cmd = "python benchmarks/contention.py --out DIR" + (" --quick" if args.quick else "") + \
+        (f" --repeats {args.repeats}" if args.repeats is not None else "") + \
+        (f" --scenarios {args.scenarios}" if args.scenarios else "") + (" --no-reaction" if args.no_reaction else "")
+    commit, dirty = _git_commit()
+    nrep = cfg["repeats"]
+    if nrep < 2:
+        progress(f"{nrep} repeat: min = median, figures from one run each (use --repeats 3 to judge targets)")
+    # raw["scenarios"][name]: one entry per repeat
     raw = {"config": cfg, "scenarios": {}, "reaction": [], "ablation": None}
     max_mib = max(cfg["seq_mib"] + [cfg["reaction_size_mib"], 32])
     with ContentionLab(max_bytes=max_mib * MiB, log_dir=os.path.join(args.out, "logs")) as lab:
         progress(f"lab up in {lab.info['setup_s']} s: {lab.info['namespaces']}")
-        for name in cfg["scenarios"]:
-            lab.check_rates()
-            raw["scenarios"][name] = run_scenario(lab, name, cfg, progress)
+        # all scenarios once, then again: slow drifts (other jobs on the machine) hit every scenario
+        for r in range(nrep):
+            for name in cfg["scenarios"]:
+                lab.check_rates()
+                raw["scenarios"].setdefault(name, []).append(
+                    run_scenario(lab, name, cfg, progress, rep=f"[{r + 1}/{nrep}] "))
         for trial in range(cfg["reaction_trials"]):
             for which in cfg["reaction"]:
                 time.sleep(GAP_S)
@@ -607,13 +757,16 @@ def _main(argv=None) -> int:
         info = dict(lab.info)
     summary = {
         "env": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-                "loadavg": round(os.getloadavg()[0], 2), **{k: info[k] for k in ("tcp_cc", "mtu", "rate")},
-                "selector_impl": info.get("selector_impl"), "setup_s": info["setup_s"]},
+                "loadavg": loadavg0, "loadavg_end": round(os.getloadavg()[0], 2),
+                **{k: info[k] for k in ("tcp_cc", "mtu", "rate")},
+                "selector_impl": info.get("selector_impl"), "setup_s": info["setup_s"],
+                "commit": commit, "commit_dirty": dirty},
         "quick": args.quick, "config": cfg,
-        "scenarios": {n: summarize_scenario(sc) for n, sc in raw["scenarios"].items()},
+        "repeats": {n: [summarize_scenario(sc) for sc in scs] for n, scs in raw["scenarios"].items()},
         "reaction": summarize_reaction(raw["reaction"]),
         "ablation": raw["ablation"],
     }
+    summary["scenarios"] = {n: aggregate_scenario(reps) for n, reps in summary["repeats"].items()}
     summary["targets"] = evaluate_targets(summary)
     summary["wall_s"] = time.monotonic() - t_start
     bad = [(n, p) for n, sc in summary["scenarios"].items() for p, v in sc["policies"].items() if not v["verified"]]

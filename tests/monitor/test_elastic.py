@@ -176,3 +176,48 @@ def test_load_displaced_by_our_own_leg_still_counts_while_we_hold_the_link():
     assert ag.util[0] >= 0.99, ag.util
     ag.release(tok)
     assert ag.probe_due(0)
+
+
+def _late_reports(ag, src, foreign, own_frac, every=3, dt=0.02, seconds=True):
+    """Our leg crawls over a link saturated by foreign load (the elastic probe's tail under UDP at
+    95 %, no reservation held any more): the counter sees own_frac x capacity of our bytes in every
+    interval, but the chunk completes only every `every` intervals and is reported then, whole
+    (report_progress, with the time it took when `seconds`), with its feedback. Returns the sampled
+    foreign load of each interval."""
+    out = []
+    for k in range(3 * every):
+        time.sleep(dt)
+        src.foreign = foreign
+        src.own_bytes = own_frac * CAP * dt
+        if k % every == every - 1:
+            n = int(own_frac * CAP * dt * every)
+            if seconds:
+                ag.report_progress([0], n, seconds=dt * every)
+            else:
+                ag.report_progress([0], n)
+            ag.report_transfer([0], n, dt * every, progress_reported=True)
+        ag.sample_once()
+        out.append(float(ag._sampled[0]))
+    return out
+
+
+@pytest.mark.parametrize("share", [0.5, 0.0])
+def test_a_chunk_reported_at_its_end_does_not_hide_the_foreign_load(share):
+    # issue 15 item 4: a 1 MiB chunk that crawled over several intervals at a few % of the link was
+    # subtracted whole from the interval in which it completed. The counter had already counted
+    # most of its bytes as foreign in the intervals before, so that interval read the link as far
+    # less busy than it was, and the selector split transfers onto it: under UDP at 95 % the
+    # elastic policy's first transfers, which overlap its probe's tail, paid for it.
+    ag, src = _agent(share=share)
+    _quiet(ag, src, 0.95)
+    seen = _late_reports(ag, src, 0.92, 0.08, seconds=False)
+    assert min(seen) < 0.8, ("the hazard: without the chunk's time the link reads below the QoS bar", seen)
+    ag, src = _agent(share=share)
+    _quiet(ag, src, 0.95)
+    seen = _late_reports(ag, src, 0.92, 0.08)
+    assert min(seen) >= 0.9, seen
+    # our bytes still count as ours, not as foreign load, when they are reported as they cross
+    ag, src = _agent(share=share)
+    _quiet(ag, src, 0.3)
+    seen = _late_reports(ag, src, 0.3, 0.6, every=1)
+    assert max(seen) <= 0.35, seen

@@ -248,13 +248,19 @@ class Leg:
         self.done_chunks += 1
         self.done_bytes += n
         self.chunk_log.append((now, n, dt))
+        win = self.chunk_log[-FEEDBACK_WINDOW:]
+        rate = sum(c[1] for c in win) / max(sum(c[2] for c in win), 1e-6)
+        # the chunk crossed the link over about the last n / rate seconds, not all in the sampling
+        # interval it completes in: the NodeAgents subtract from the coming sample only the part
+        # after the last one (NodeAgent.report_progress(seconds=)). Subtracting it whole there made
+        # a chunk that crawled at 5 % of a link saturated by UDP read the link as nearly free.
+        secs = max(n / rate, 1e-6)
         if report and agent is not None:
-            win = self.chunk_log[-FEEDBACK_WINDOW:]
-            rate = sum(c[1] for c in win) / max(sum(c[2] for c in win), 1e-6)
-            # own bytes: exactly this chunk; seconds: what this chunk took at the windowed rate
-            agent.report_transfer(self.links, n, max(n / rate, 1e-6))
+            agent.report_progress(self.links, n, seconds=secs)
+            # feedback: this chunk at the windowed rate (own bytes already reported just above)
+            agent.report_transfer(self.links, n, secs, progress_reported=True)
         for o in self.others:  # the host's other NodeAgents: our bytes, not foreign load (no feedback)
-            o.report_progress(self.links, n)
+            o.report_progress(self.links, n, seconds=secs)
 
 
 class DirectLeg(Leg):

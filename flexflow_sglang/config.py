@@ -64,6 +64,9 @@ class HostTierConfig:
     # a page the host tier holds replaces the request's own recomputation of it when SGLang inserts
     # it into the tree (backend/host_adopt.py): host hits then equal device hits in bf16
     canonical_on_insert: bool = True
+    # host hits copied into the device pool layer by layer while the forward runs (backend/layerwise.py):
+    # auto = on where it is implemented (CPU pools with the compiled kernels), never = whole load first
+    layerwise_load: str = "auto"  # auto | never
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                 "elastic_share": ("unit", None), "elastic_probe_s": ("positive", None)},
     "host_tier": {"enabled": ("bool", None), "capacity_gb": ("nonneg", None), "capacity_tokens": ("opt_int_pos", None),
                   "write_policy": ("choice", ("write_through", "on_evict")), "verify_checksums": ("bool", None),
-                  "pin_memory": ("choice", ("auto", "always", "never")), "shared": ("bool", None),
+                  "pin_memory": ("choice", ("auto", "always", "never")),
+                  "layerwise_load": ("choice", ("auto", "never")), "shared": ("bool", None),
                   "canonical_on_insert": ("bool", None)},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
                      "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",)),

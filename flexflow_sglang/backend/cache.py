@@ -90,6 +90,7 @@ class FlexFlowRadixCache(RadixCache):
     def __init__(self, params, *, ctx=None, connector: "Optional[FlexFlowConnector]" = None, config=None):
         # RadixCache.__init__ ends with self.reset(): everything reset() reads must exist first
         self.connector = None
+        self._layers = None  # LayerLoader (layer-wise load-back), set once the connector exists
         self.write_policy = "write_through"
         self._host_hits: Dict[CacheRequestHandle, _HostHit] = {}
         self._key_memo: "OrderedDict[CacheRequestHandle, _KeyMemo]" = OrderedDict()
@@ -104,7 +105,7 @@ class FlexFlowRadixCache(RadixCache):
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
             "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued",
-            "prefetch_holds", "prefetch_timeouts", "prefetch_ready")}
+            "prefetch_holds", "prefetch_timeouts", "prefetch_ready", "layerwise_load_backs")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
         if connector is None:
@@ -126,12 +127,41 @@ class FlexFlowRadixCache(RadixCache):
                 self._prom = maybe_exporter(True, getattr(ctx, "tp_rank", 0) if ctx is not None else 0)
             except Exception:  # noqa: BLE001 - metrics never block serving
                 logger.exception("flexflow: Prometheus exporter unavailable")
-        logger.info("FlexFlowRadixCache: page size %d, write policy %s, rank agreement: %s",
-                    self.page_size, self.write_policy, describe(self.rank_sync))
+        self._layers = self._layer_loader(params)
+        logger.info("FlexFlowRadixCache: page size %d, write policy %s, rank agreement: %s, layer-wise load: %s",
+                    self.page_size, self.write_policy, describe(self.rank_sync),
+                    "on" if self._layers is not None else "off")
+
+    def _layer_loader(self, params):
+        """A LayerLoader registered as the KV pool's layer-transfer counter, where layer-wise
+        load-back applies (config host_tier.layerwise_load; CPU pool, compiled kernels, private host
+        tier, no PP: a later stage's load follows stage 0's pins), else None."""
+        conn = self.connector
+        if conn.config.host_tier.layerwise_load == "never" or self._pp is not None or _pd_mode():
+            return None  # PD prefill may send a device prefix before the forward waits for its layers
+        ex = conn.executor
+        kv = self.token_to_kv_pool_allocator.get_kvcache()
+        if (ex.copier is None or not getattr(conn.host, "fused_hash", False)
+                or not hasattr(kv, "register_layer_transfer_counter")
+                or getattr(kv, "layer_transfer_counter", None) is not None):
+            return None
+        from .layerwise import LayerLoader
+        loader = LayerLoader(ex.copier)
+        kv.register_layer_transfer_counter(loader)
+        return loader
+
+    def _settle_layer_loads(self) -> None:
+        """Every queued layer-wise load complete (device KV is about to be read or reused outside
+        the forward), and their host pages unpinned."""
+        if self._layers is not None and self._layers.busy:
+            for pages in self._layers.finish():
+                self.connector.end_layerwise_load(pages)
 
     # ================================================================= lifecycle
     def reset(self):
         conn = getattr(self, "connector", None)
+        if getattr(self, "_layers", None) is not None:
+            self._settle_layer_loads()  # flush reuses every slot: the copies into them end first
         if conn is not None and not conn.closed:
             try:
                 if self.write_policy == "on_evict":
@@ -154,6 +184,9 @@ class FlexFlowRadixCache(RadixCache):
         if self._released:
             return
         self._released = True
+        if self._layers is not None:
+            self._settle_layer_loads()
+            self._layers.close()
         if self._pp is not None:
             self._pp.close()
         if self.connector is not None:
@@ -232,7 +265,7 @@ class FlexFlowRadixCache(RadixCache):
             return 0, anchor
         alloc = self.token_to_kv_pool_allocator
         lock = self.lock(anchor)  # eviction below must not take the anchor or its ancestors
-        slots = None
+        slots = work = None
         pp = self._pp
         # PP stage 0: the later stages' pages, checked and pinned before anything is allocated
         pinned = pp.pin_for_load(hit) if pp is not None and pp.is_first else None
@@ -244,7 +277,11 @@ class FlexFlowRadixCache(RadixCache):
                     self.evict(EvictParams(num_tokens=short))
                 slots = alloc.alloc(n)
                 ok = slots is not None and slots.numel() == n
-            loaded = self.connector.load(hit.keys, slots, fresh_slots=True) if ok else None
+            loaded = work = None
+            if ok and self._layers is not None:  # verified and pinned now, copied during the forward
+                loaded, work = self.connector.begin_layerwise_load(hit.keys, slots)
+            if ok and loaded is None:
+                loaded = self.connector.load(hit.keys, slots, fresh_slots=True)
             own_ok = ok = loaded is not None and loaded.ok
             # pages from a deeper tier: read inline now, or brought into host memory by the prefetch
             deep_pages = loaded.deep_pages + self._prefetched_pages(req, n) if ok else 0
@@ -255,6 +292,9 @@ class FlexFlowRadixCache(RadixCache):
                 self._release_stage_pins(hit.keys)  # stage 0 pinned them for this load
                 if not own_ok:  # pinned and checksummed by stage 0: only a copy error gets here
                     raise RuntimeError(f"PP stage {pp.rank}: loading {n} host tokens stage 0 pinned failed")
+            if work is not None and not ok:  # another rank missed: nothing was queued, unpin
+                self.connector.end_layerwise_load(work[1])
+                work = None
             if not ok:
                 if pinned:
                     pp.release(pinned)
@@ -267,8 +307,18 @@ class FlexFlowRadixCache(RadixCache):
             value = torch.cat([self.path_device_indices(anchor), slots.to(torch.int64)])
             result = self.insert(InsertParams(key=key[: hit.device_len + n], value=value,
                                               priority=getattr(req, "priority", None) or 0))
-            if result.prefix_len > hit.device_len:  # the tree already had part of it: free our copies
-                alloc.free(slots[: result.prefix_len - hit.device_len])
+            dup = max(0, result.prefix_len - hit.device_len)
+            if work is not None:  # queue the copy of the pages the tree took from us (never a freed slot)
+                words, host_pages, dev_pages = work
+                k = dup // self.page_size
+                if k:
+                    self.connector.end_layerwise_load(host_pages[:k])
+                if k < len(host_pages):
+                    self._layers.submit(words, host_pages[k:], dev_pages[k:], pins=host_pages[k:])
+                    self._m["layerwise_load_backs"] += 1
+                work = None
+            if dup:  # the tree already had part of it: free our copies
+                alloc.free(slots[:dup])
             slots = None
             if deep_pages:
                 req.storage_hit_length = deep_pages * self.page_size
@@ -280,6 +330,8 @@ class FlexFlowRadixCache(RadixCache):
                            host_tokens=n)
             return n, result.last_device_node
         except Exception:
+            if work is not None:
+                self.connector.end_layerwise_load(work[1])
             if slots is not None:
                 alloc.free(slots)
             raise
@@ -295,6 +347,7 @@ class FlexFlowRadixCache(RadixCache):
 
     def _dump(self, kind: str, req, tokens, slots, **extra) -> None:
         """FLEXFLOW_KV_DUMP_DIR diagnostic (kv_dump): once per request, kind and length."""
+        self._settle_layer_loads()  # the dump reads device slots a queued load may still write
         n = len(slots)
         tag = (req.rid, kind, n)
         if tag in self._dumped:
@@ -329,6 +382,7 @@ class FlexFlowRadixCache(RadixCache):
         self._store(keys, slots, req.last_node)
 
     def _store(self, keys: List[bytes], slots: torch.Tensor, node: TreeNode) -> None:
+        self._settle_layer_loads()  # the store reads device slots (normally complete: after a forward)
         handle = self.connector.store(keys, slots)
         self._m["stores_issued"] += 1
         if self.connector.defer_stores:
@@ -392,6 +446,7 @@ class FlexFlowRadixCache(RadixCache):
         """Advance queued transfers and release the locks of acknowledged stores (rank-agreed)."""
         if self.connector is None or self.connector.closed:
             return
+        self._settle_layer_loads()  # after a forward: already complete, this only unpins
         self.connector.poll()
         self._drain()
         if self._prom is not None:
@@ -409,6 +464,8 @@ class FlexFlowRadixCache(RadixCache):
         m = self.connector.metrics()
         m["cache"] = {k: v for k, v in self._m.items()}
         m["cache"]["inflight_stores"] = len(self._inflight)
+        if self._layers is not None:
+            m["cache"].update(self._layers.m)
         return m
 
     def _drain(self) -> None:
@@ -614,9 +671,20 @@ class FlexFlowRadixCache(RadixCache):
         m: Dict[str, Any] = dict(self._m)
         m["inflight_stores"] = len(self._inflight)
         m["pending_prefetches"] = sum(1 for e in self._prefetch.values() if not e.ready)
+        if self._layers is not None:
+            m.update(self._layers.m)
         if self.connector is not None and not self.connector.closed:
             m["connector"] = self.connector.metrics()
         return m
+
+
+def _pd_mode() -> bool:
+    """Whether this server runs as a PD prefill or decode instance."""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+        return get_disagg().disaggregation_mode not in (None, "null")
+    except Exception:  # noqa: BLE001 - no disaggregation section published (unit tests)
+        return False
 
 
 def _published_parallel():

@@ -372,6 +372,44 @@ class FlexFlowConnector:
         self._hits_by_tier["host"] += nh
         return LoadResult(True, n, nh, deep)
 
+    def begin_layerwise_load(self, keys: Sequence[bytes], device_slots: torch.Tensor):
+        """First half of a layer-wise load (backend/layerwise.py): everything that can make the load a
+        miss, done now: every page in the host tier, checksums verified (one compiled read), pages
+        touched and pinned so that nothing overwrites them while the copy runs. Returns
+        (result, work): work = (host words, host pages, device pages) to queue for the layer copy,
+        then `end_layerwise_load(host pages)` once it is complete. (None, None): not eligible here
+        (a page in a deeper tier, a shared host tier, no compiled kernels): use `load`."""
+        n = len(keys)
+        h = self.host
+        if n == 0 or not getattr(h, "fused_hash", False) or self.executor.copier is None \
+                or not self.executor.fused(h.words, False):
+            return None, None
+        host_pages = [h.page_of(k) for k in keys]
+        if any(p is None for p in host_pages):
+            return None, None
+        self._m["loads"] += 1
+        try:
+            dev_pages = self._device_pages(device_slots, n)
+            bad = h.first_bad_page(host_pages)
+        except Exception as e:  # noqa: BLE001 - reported as a miss
+            logger.exception("flexflow: layer-wise load of %d pages failed", n)
+            return self._load_failed(n, str(e)), None
+        if bad >= 0:
+            self._m["checksum_failures"] += 1
+            h.discard([keys[bad]])
+            return self._load_failed(n, f"checksum mismatch on host page {host_pages[bad]}"), None
+        h.touch(keys)
+        h.pin(host_pages)
+        self._m["pages_loaded"] += n
+        self._m["pages_loaded_host"] += n
+        self._hits_by_tier["host"] += n
+        return LoadResult(True, n, n, 0), (h.words, host_pages, dev_pages)
+
+    def end_layerwise_load(self, host_pages: Sequence[int]) -> None:
+        """The layer copy out of `host_pages` is complete (or was never queued): unpin them."""
+        if not self._closed:
+            self.host.unpin(host_pages)
+
     def _fused_store(self) -> bool:
         """The store's copy also takes the page hashes the host tier commits (one read, not two)."""
         h = self.host

@@ -146,6 +146,37 @@ class PageCopier:
         return int(_ck.scatter(host.data_ptr(), self.layout.page_nbytes, hp, self._seg_ptr, self._seg_stride,
                                self._seg_nbytes, dp, exp, _threads(len(dp), self.layout.page_nbytes), flags))
 
+    # ----------------------------------------------------------------- one layer (layer-wise load-back)
+    def _layer_tables(self, layer: int):
+        nb = len(self.layout.seg_words)
+        a, b = layer * nb, (layer + 1) * nb
+        es = torch.empty((), dtype=self.layout.word_dtype).element_size()
+        offset = self.layout.segment_offsets()[layer][0] * es  # bytes into each host row
+        return self._seg_ptr[a:b], self._seg_stride[a:b], self._seg_nbytes[a:b], offset
+
+    def scatter_layer(self, host: torch.Tensor, host_pages, dev_pages, layer: int, threads: int = 1) -> None:
+        """Host rows -> device pages, layer `layer`'s segments only (no checksum: a layer-wise load
+        is verified before it is queued). Falls back to the twin where the kernels do not apply."""
+        if not self.usable(host, False):
+            self.scatter_layer_twin(host, host_pages, dev_pages, layer)
+            return
+        dp = _pages_array(dev_pages, self.layout.num_device_pages, "device page")
+        hp = _pages_array(host_pages, host.shape[0], "host page")
+        if len(dp) != len(hp):
+            raise ValueError(f"scatter_layer: {len(dp)} device pages for {len(hp)} host pages")
+        ptr, stride, nbytes, offset = self._layer_tables(layer)
+        _ck.scatter(host.data_ptr() + offset, self.layout.page_nbytes, hp, np.ascontiguousarray(ptr),
+                    np.ascontiguousarray(stride), np.ascontiguousarray(nbytes), dp, None, max(1, threads), None)
+
+    def scatter_layer_twin(self, host: torch.Tensor, host_pages, dev_pages, layer: int) -> None:
+        hp = torch.as_tensor(np.asarray(host_pages, dtype=np.int64), device=host.device)
+        dev = torch.as_tensor(dev_pages, dtype=torch.long).to(self.layout.device)
+        o = self.layout.segment_offsets()[layer][0]
+        for v in self.layout.dev_pages[layer]:
+            w = v.shape[1]
+            v.index_copy_(0, dev, host.index_select(0, hp)[:, o:o + w].to(self.layout.device))
+            o += w
+
     # ----------------------------------------------------------------- torch twin
     def gather_twin(self, dev_pages, host: torch.Tensor, host_pages: Sequence[int],
                     with_sums: bool = True) -> Optional[torch.Tensor]:

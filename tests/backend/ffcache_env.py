@@ -37,11 +37,11 @@ def ensure_published() -> None:
 
 
 def test_config(page_size: int = 1, host_tokens: Optional[int] = None, policy: str = "write_through",
-                verify: bool = True):
+                verify: bool = True, layerwise: str = "auto"):
     from flexflow_sglang.config import config_from_dict
 
     host = {"capacity_tokens": host_tokens or 4096, "write_policy": policy, "verify_checksums": verify,
-            "pin_memory": "never"}
+            "pin_memory": "never", "layerwise_load": layerwise}
     return config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
                              "host_tier": host}, "<test>")
 
@@ -89,7 +89,10 @@ class Env:
                 buf[slots.long()] = rows
 
     def check_kv(self, ids: Sequence[int], slots: torch.Tensor) -> bool:
+        counter = getattr(self.kv, "layer_transfer_counter", None)
         for layer, bufs in enumerate(self.buffers()):
+            if counter is not None:  # as the pool's get_key_buffer does before attention reads a layer
+                counter.wait_until(layer - getattr(self.kv, "start_layer", 0))
             for which, buf in enumerate(bufs):
                 exp = expected_rows(ids, layer, which, buf.shape[1:], buf.dtype)[: len(slots)]
                 if not torch.equal(buf[slots.long()], exp):
@@ -131,12 +134,12 @@ def make_pools(page_size: int = 1, size: int = 64, layers: int = 2, heads: int =
 
 
 def make_env(page_size: int = 1, size: int = 64, host_tokens: Optional[int] = None, policy: str = "write_through",
-             verify: bool = True, defer_stores: bool = False, tiers=(), **pool_kw) -> Env:
+             verify: bool = True, defer_stores: bool = False, tiers=(), layerwise: str = "auto", **pool_kw) -> Env:
     from flexflow_sglang.backend.cache import FlexFlowRadixCache
     from flexflow_sglang.connector import FlexFlowConnector, KVLayout
 
     kv, alloc, req_pool, params = make_pools(page_size=page_size, size=size, **pool_kw)
-    cfg = test_config(page_size, host_tokens, policy, verify)
+    cfg = test_config(page_size, host_tokens, policy, verify, layerwise)
     conn = FlexFlowConnector(KVLayout.from_pool(kv, page_size), cfg, fingerprint={"test": True}, tiers=tiers,
                              defer_stores=defer_stores, start_agent=False)
     tree = FlexFlowRadixCache(params, connector=conn)

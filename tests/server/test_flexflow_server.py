@@ -77,6 +77,26 @@ def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_se
     assert evicted and max(evicted) > 0, m
 
 
+def test_layerwise_copy_failure_is_redone_before_the_layer_is_read(plain_baselines, tiny_model, start_server,
+                                                                   tmp_path):
+    """Layer-wise load-back (on by default on CPU) with the loader thread's copy of layer 1 failing on
+    every load (FLEXFLOW_TEST_FAULTS): the forward re-copies that layer before attention reads it, so
+    every host hit still decodes the plain server's tokens, and nothing hangs."""
+    baseline = plain_baselines(page_size=4, chunked_prefill_size=128)
+    srv = start_server(tiny_model, name="flexflow-layer-fault", radix_cache_backend="flexflow",
+                       flexflow_config=write_config(tmp_path, "layer-fault"), max_total_tokens=MAX_TOTAL_TOKENS,
+                       extra_args=["--enable-metrics"], page_size=4, chunked_prefill_size=128,
+                       env={"FLEXFLOW_TEST_FAULTS": "copy_fail_layer=1"})
+    rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", PROMPTS,
+                                      "--baseline", baseline, "--out", str(tmp_path / "report.json"))
+    assert last == "Total mismatches: 0", stdout + stderr + srv.tail_log()
+    assert rc == 0
+    m = flexflow_metrics(srv.url, until=lambda m: m.get("flexflow_cache_layerwise_retries", 0) > 0)
+    assert m.get("flexflow_cache_layerwise_load_backs", 0) > 0, m
+    assert m.get("flexflow_cache_layerwise_retries", 0) >= m["flexflow_cache_layerwise_load_backs"], m
+    assert "injected copy failure at layer 1" in open(srv.log_path).read()
+
+
 def test_bad_config_fails_at_start_with_one_message(tiny_model, sglang_ready, tmp_path):
     """A FLEXFLOW_CONFIG with an out-of-range value stops the server at start-up, and its log names
     the file, the key, the value and what is allowed."""

@@ -575,8 +575,8 @@ def plot(summary: dict, raw: dict, path: str) -> None:
     axes[0, 1].set_yscale("log")
     axes[0, 0].legend(fontsize=8, ncol=3)
     reps = summary["config"].get("repeats", 1)
-    axes[0, 0].set_title(f"same transfers for every policy (n = common prefix); median of {reps} repeat(s), "
-                         "bars: min-max", fontsize=10)
+    axes[0, 0].set_title(f"same transfers for every policy (n = common prefix)\nmedian of {reps} repeat(s), "
+                         "whiskers: min-max", fontsize=9)
     axes[0, 1].set_title("completion time, p99 of the same transfers", fontsize=10)
     ax = axes[0, 2]
     cn = [n for n in names if n != "idle"]

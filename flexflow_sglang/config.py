@@ -65,8 +65,8 @@ class HostTierConfig:
     # it into the tree (backend/host_adopt.py): host hits then equal device hits in bf16
     canonical_on_insert: bool = True
     # host hits copied into the device pool layer by layer while the forward runs (backend/layerwise.py):
-    # auto = on where it is implemented (CPU pools with the compiled kernels), never = whole load first
-    layerwise_load: str = "auto"  # auto | never
+    # true = where it is implemented (CPU pools with the compiled kernels), false = whole load first
+    layerwise_load: bool = False  # opt-in until it measures faster on the target hardware
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ _RULES: Dict[str, Dict[str, tuple]] = {
     "host_tier": {"enabled": ("bool", None), "capacity_gb": ("nonneg", None), "capacity_tokens": ("opt_int_pos", None),
                   "write_policy": ("choice", ("write_through", "on_evict")), "verify_checksums": ("bool", None),
                   "pin_memory": ("choice", ("auto", "always", "never")),
-                  "layerwise_load": ("choice", ("auto", "never")), "shared": ("bool", None),
+                  "layerwise_load": ("bool", None), "shared": ("bool", None),
                   "canonical_on_insert": ("bool", None)},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
                      "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",)),

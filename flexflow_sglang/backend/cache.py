@@ -137,7 +137,7 @@ class FlexFlowRadixCache(RadixCache):
         load-back applies (config host_tier.layerwise_load; CPU pool, compiled kernels, private host
         tier, no PP: a later stage's load follows stage 0's pins), else None."""
         conn = self.connector
-        if conn.config.host_tier.layerwise_load == "never" or self._pp is not None or _pd_mode():
+        if not conn.config.host_tier.layerwise_load or self._pp is not None or _pd_mode():
             return None  # PD prefill may send a device prefix before the forward waits for its layers
         ex = conn.executor
         kv = self.token_to_kv_pool_allocator.get_kvcache()

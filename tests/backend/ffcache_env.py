@@ -37,7 +37,7 @@ def ensure_published() -> None:
 
 
 def test_config(page_size: int = 1, host_tokens: Optional[int] = None, policy: str = "write_through",
-                verify: bool = True, layerwise: str = "auto"):
+                verify: bool = True, layerwise: bool = True):
     from flexflow_sglang.config import config_from_dict
 
     host = {"capacity_tokens": host_tokens or 4096, "write_policy": policy, "verify_checksums": verify,
@@ -134,7 +134,7 @@ def make_pools(page_size: int = 1, size: int = 64, layers: int = 2, heads: int =
 
 
 def make_env(page_size: int = 1, size: int = 64, host_tokens: Optional[int] = None, policy: str = "write_through",
-             verify: bool = True, defer_stores: bool = False, tiers=(), layerwise: str = "auto", **pool_kw) -> Env:
+             verify: bool = True, defer_stores: bool = False, tiers=(), layerwise: bool = True, **pool_kw) -> Env:
     from flexflow_sglang.backend.cache import FlexFlowRadixCache
     from flexflow_sglang.connector import FlexFlowConnector, KVLayout
 

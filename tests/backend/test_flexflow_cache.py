@@ -267,7 +267,7 @@ def test_store_failure_keeps_invariants(envs, monkeypatch):
 
 @pytest.mark.parametrize("ps", [1, 4])
 def test_load_failure_is_a_miss_and_frees_slots(envs, monkeypatch, ps):
-    env = envs(page_size=ps, layerwise="never")  # the whole-load path (layer-wise: test_layerwise.py)
+    env = envs(page_size=ps, layerwise=False)  # the whole-load path (layer-wise: test_layerwise.py)
     ids = list(range(80, 80 + 6 * ps))
     serve(env, "a", ids)
     evict_all(env)

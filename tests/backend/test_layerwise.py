@@ -63,8 +63,8 @@ def test_host_hit_is_loaded_layer_by_layer_and_byte_exact(envs, ps):
     assert env.idle_ok()
 
 
-def test_never_keeps_the_whole_load_in_init_load_back(envs):
-    env = envs(layerwise="never")
+def test_off_keeps_the_whole_load_in_init_load_back(envs):
+    env = envs(layerwise=False)
     assert env.tree._layers is None and getattr(env.kv, "layer_transfer_counter", None) is None
     ids = list(range(40, 56))
     serve(env, "a", ids)

@@ -79,12 +79,12 @@ def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_se
 
 def test_layerwise_copy_failure_is_redone_before_the_layer_is_read(plain_baselines, tiny_model, start_server,
                                                                    tmp_path):
-    """Layer-wise load-back (on by default on CPU) with the loader thread's copy of layer 1 failing on
+    """Layer-wise load-back (host_tier.layerwise_load: true) with the loader thread's copy of layer 1 failing on
     every load (FLEXFLOW_TEST_FAULTS): the forward re-copies that layer before attention reads it, so
     every host hit still decodes the plain server's tokens, and nothing hangs."""
     baseline = plain_baselines(page_size=4, chunked_prefill_size=128)
     srv = start_server(tiny_model, name="flexflow-layer-fault", radix_cache_backend="flexflow",
-                       flexflow_config=write_config(tmp_path, "layer-fault"), max_total_tokens=MAX_TOTAL_TOKENS,
+                       flexflow_config=write_config(tmp_path, "layer-fault", host_tier={"layerwise_load": True}), max_total_tokens=MAX_TOTAL_TOKENS,
                        extra_args=["--enable-metrics"], page_size=4, chunked_prefill_size=128,
                        env={"FLEXFLOW_TEST_FAULTS": "copy_fail_layer=1"})
     rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", PROMPTS,

@@ -204,3 +204,15 @@ def serve(env: Env, rid: str, ids: List[int], check_idle: bool = True, extra_key
     if check_idle:
         assert env.idle_ok(), (env.alloc.available_size(), tree.evictable_size(), tree.protected_size(), env.size)
     return Served(rid, req.prefix_len, host_hit, loaded, kv_ok, device_prefix, req.storage_hit_length)
+
+
+def fail_moves(monkeypatch, executor, direction: str, message: str) -> None:
+    """Make every copy of `executor` in `direction` ("d2h" store, "h2d" load) raise `message`: the
+    executor's common `_move`, so the fused kernels and the torch path both fail."""
+    real = executor._move
+
+    def boom(d, *a, **k):
+        if d == direction:
+            raise RuntimeError(message)
+        return real(d, *a, **k)
+    monkeypatch.setattr(executor, "_move", boom)

@@ -14,21 +14,7 @@ pytest.importorskip("sglang.srt.mem_cache.radix_cache")
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 
-from ffcache_env import make_env, serve  # noqa: E402
-
-
-@pytest.fixture
-def envs():
-    made = []
-
-    def _make(**kw):
-        env = make_env(**kw)
-        made.append(env)
-        return env
-
-    yield _make
-    for env in made:
-        env.close()
+from ffcache_env import fail_moves, serve  # noqa: E402
 
 
 def all_nodes(tree):
@@ -248,14 +234,7 @@ def test_stale_promise_and_missing_request(envs):
 def test_store_failure_keeps_invariants(envs, monkeypatch):
     env = envs()
 
-    ex = env.connector.executor
-    real = ex._move
-
-    def boom(direction, *a, **k):  # every copy in this direction fails (fused kernels or torch)
-        if direction == "d2h":
-            raise RuntimeError("injected D2H failure")
-        return real(direction, *a, **k)
-    monkeypatch.setattr(ex, "_move", boom)
+    fail_moves(monkeypatch, env.connector.executor, "d2h", "injected D2H failure")
     ids = list(range(50, 70))
     serve(env, "a", ids)
     evict_all(env)
@@ -272,14 +251,7 @@ def test_load_failure_is_a_miss_and_frees_slots(envs, monkeypatch, ps):
     serve(env, "a", ids)
     evict_all(env)
 
-    ex = env.connector.executor
-    real = ex._move
-
-    def boom(direction, *a, **k):  # every copy in this direction fails (fused kernels or torch)
-        if direction == "h2d":
-            raise RuntimeError("injected H2D failure")
-        return real(direction, *a, **k)
-    monkeypatch.setattr(ex, "_move", boom)
+    fail_moves(monkeypatch, env.connector.executor, "h2d", "injected H2D failure")
     b = serve(env, "b", ids + [1] * ps)
     assert b.host_hit > 0 and b.loaded == 0 and b.prefix_len == 0 and b.kv_ok
     assert env.tree.metrics()["load_back_failures"] == 1

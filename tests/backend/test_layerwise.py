@@ -18,23 +18,9 @@ from flexflow_sglang.backend.layerwise import LayerLoader, LayerLoadError  # noq
 from flexflow_sglang.connector.copy_kernels import PageCopier, kernels_available  # noqa: E402
 from flexflow_sglang.connector.layout import KVLayout  # noqa: E402
 
-from ffcache_env import make_env, serve  # noqa: E402
+from ffcache_env import serve  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="compiled copy kernels not built")
-
-
-@pytest.fixture
-def envs():
-    made = []
-
-    def _make(**kw):
-        env = make_env(**kw)
-        made.append(env)
-        return env
-
-    yield _make
-    for env in made:
-        env.close()
 
 
 def _evict_all(env):

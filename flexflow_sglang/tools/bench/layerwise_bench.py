@@ -19,7 +19,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import List, Optional
@@ -30,12 +29,11 @@ from . import kv_bytes_per_token_of, resolve_model
 
 
 def _git_commit() -> str:
+    """The measured commit (`+dirty` with uncommitted changes), or "unknown" outside a checkout."""
+    from .refresh import RefreshError, current_commit
     try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
+        return current_commit(os.path.dirname(os.path.abspath(__file__)))
+    except RefreshError:
         return "unknown"
 
 

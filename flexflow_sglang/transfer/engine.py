@@ -90,6 +90,28 @@ class Ticket:
         self.stats.seconds += seconds
         self.stats.legs.append((sub.type.value if sub is not None else "unrouted", nbytes, seconds))
 
+    def posted(self, index: int, nbytes: int, links=None) -> None:
+        """`nbytes` of subpath `index` were just handed to the wire (a NIXL post, a chunk sent):
+        the sampled link counters will see them before the leg ends, so they are ours, not foreign
+        load (NodeAgent.report_progress). Pass `progress_reported=True` to the leg's leg_done."""
+        subs = self.subpaths
+        lk = links if links is not None else (subs[index].links if 0 <= index < len(subs) else ())
+        if nbytes > 0 and lk:
+            try:
+                self.engine.agent.report_progress(lk, int(nbytes))
+            except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a move
+                logger.debug("flexflow transfer: report_progress failed: %r", e)
+
+    def release_leg(self, index: int) -> None:
+        """End subpath `index`'s reservation without reporting (its bytes were reported elsewhere,
+        e.g. per chunk, or the leg was never run)."""
+        tok = self.tokens.pop(index, 0)
+        if tok:
+            try:
+                self.engine.agent.release([tok])
+            except Exception as e:  # noqa: BLE001
+                logger.debug("flexflow transfer: release failed: %r", e)
+
     def reroute(self, index: int, links, nbytes: int) -> None:
         """Subpath `index` runs over other links than planned (a relay that fell back to direct):
         move its reservation there, for the decision's estimated time."""

@@ -146,3 +146,24 @@ def test_close_cancels_and_refuses(eng):
     eng.close()
     assert q.state == JobState.CANCELLED and not eng.submit(Job("spill", lambda j: None))
     assert all(not th.is_alive() for th in eng._threads)
+
+
+def test_ticket_for_legs_run_elsewhere_posts_releases_and_reports_once(eng):
+    """The API PD rails, the simulator and the contention lab use: open, posted per chunk,
+    release_leg or leg_done(progress_reported=True), close."""
+    progress, transfers = [], []
+    eng.agent.report_progress = lambda links, n, seconds=None: progress.append((tuple(links), n))
+    orig = eng.agent.report_transfer
+    eng.agent.report_transfer = lambda links, n, s, **kw: transfers.append((n, kw)) or orig(links, n, s, **kw)
+    t = eng.open("gpu0", "cpu0", 64 << 20)
+    assert t.decision is not None and len(t.subpaths) == 2 and eng.agent.in_flight == 2
+    t.posted(0, 1 << 20)
+    t.posted(0, 0)  # nothing to post: not reported
+    assert progress == [(tuple(t.subpaths[0].links), 1 << 20)]
+    t.leg_done(0, 32 << 20, 0.01, progress_reported=True)
+    assert eng.agent.in_flight == 1 and transfers == [(32 << 20, {"relays": 0, "progress_reported": True})]
+    t.release_leg(1)
+    t.release_leg(1)  # twice is harmless
+    assert eng.agent.in_flight == 0 and len(transfers) == 1  # released without a report
+    st = t.close()
+    assert st.nbytes == 32 << 20 and t.closed and eng.bandwidth_by_type()["SplitPath"]["moves"] == 1

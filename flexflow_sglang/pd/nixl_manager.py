@@ -35,23 +35,26 @@ _CLASS_CACHE: dict = {}
 
 
 class RoutedXfer:
-    """The legs of one routed KV chunk: [(agent, handle, rail, nbytes, t_posted)]."""
+    """The legs of one routed KV chunk: [(agent, handle, rail, nbytes, t_posted)], and the transfer
+    engine ticket (from RailRouter.plan) that holds their reservations: leg k is the plan's share
+    `share[k]`; each leg releases and reports through the ticket as it settles."""
 
-    __slots__ = ("legs", "t_done", "failed", "path_type", "t0", "recorded", "tokens")
+    __slots__ = ("legs", "t_done", "failed", "path_type", "t0", "recorded", "ticket", "share")
 
-    def __init__(self, path_type: str, t0: float):
+    def __init__(self, path_type: str, t0: float, ticket=None):
         self.legs: List[Tuple[Any, Any, int, int, float]] = []
         self.t_done: List[Optional[float]] = []
         self.failed = False
         self.path_type = path_type
         self.t0 = t0
         self.recorded = False
-        self.tokens: List[int] = []  # NodeAgent reservations, released when each leg ends
+        self.ticket = ticket
+        self.share: List[int] = []  # the plan's share (= ticket subpath) index of each leg
 
-    def add(self, agent, handle, rail: int, nbytes: int, t_posted: float, token: int = 0) -> None:
+    def add(self, agent, handle, rail: int, nbytes: int, t_posted: float, share: int = -1) -> None:
         self.legs.append((agent, handle, rail, nbytes, t_posted))
         self.t_done.append(None)
-        self.tokens.append(token or 0)
+        self.share.append(share)
 
 
 _ENV_LOCK = threading.Lock()
@@ -269,18 +272,21 @@ class FlexFlowNixlRails:
         via SGLang's agent instead."""
         from .rails import split_by_shares
         router = self._ff_router
-        xfer = RoutedXfer(plan.path_type, chunk.t0)
+        ticket = plan.ticket
+        xfer = RoutedXfer(plan.path_type, chunk.t0, ticket)
         tl = self.__dict__["_ff_tls"]
+        share_of = {s.rail: i for i, s in enumerate(plan.shares)}  # a plan names each rail once
         for rail, a, b in split_by_shares(len(chunk.src_indices), plan.shares):
             leg_bytes = chunk.per_item * (b - a)
             agent = self._ff_rails[rail][1] if rail in usable else None
-            if agent is None:
+            share = share_of[rail]
+            if agent is None:  # this rail cannot reach the peer: its share goes via SGLang's agent
+                router.leg_done(ticket, share, -1, 0, 0.0, ok=False)
                 rail = -1
-            token = 0
             try:
                 tl.agent = agent  # None = SGLang's agent
                 if rail >= 0:
-                    token = router.report_posted(rail, leg_bytes)
+                    router.leg_posted(ticket, share, rail, leg_bytes)
                 t_post = time.perf_counter()
                 h = self._send_kvcache_generic(
                     peer_name=chunk.peer_name, src_data_ptrs=self.kv_args.kv_data_ptrs,
@@ -289,21 +295,25 @@ class FlexFlowNixlRails:
                     dst_gpu_id=chunk.dst_gpu_id, src_mem_kind=self.src_mem_kind,
                     dst_mem_kind=chunk.dst_mem_kind, bypass_prepped=True)
             except Exception as e:
-                router.release(token)
                 if rail < 0 or xfer.legs:
+                    router.finish(ticket)  # the chunk fails as a whole: release every leg's reservation
                     raise  # SGLang's own path failed, or legs are in flight: SGLang's failure handling
                 logger.warning("flexflow PD: posting on rail %r failed (%s); chunk goes via SGLang's agent",
                                self._ff_rails[rail][0], e)
                 tl.agent = None
+                router.finish(ticket)
                 return self._ff_via_sglang(chunk)
             finally:
                 tl.agent = None
             if h is not None:
                 xfer.add(agent if agent is not None else self.__dict__["_ff_primary_agent"], h, rail,
-                         leg_bytes, t_post, token)
+                         leg_bytes, t_post, share)
             else:
-                router.release(token)
-        return xfer if xfer.legs else None
+                router.leg_done(ticket, share, rail, 0, 0.0, ok=False)
+        if not xfer.legs:
+            router.finish(ticket)
+            return None
+        return xfer
 
     def _ff_state(self, handle) -> Tuple[bool, bool]:
         """(settled, failed) of a plain NIXL handle or a RoutedXfer; finished legs feed back."""
@@ -317,13 +327,14 @@ class FlexFlowNixlRails:
             if st in ("DONE", "ERR"):
                 now = time.perf_counter()
                 handle.t_done[k] = now
-                if handle.tokens[k] and self._ff_router is not None:
-                    self._ff_router.release(handle.tokens[k])
                 if st == "ERR":
                     handle.failed = True
-                elif rail >= 0 and self._ff_router is not None:
-                    self._ff_router.report(rail, nbytes, now - t_post)
+                if handle.ticket is not None and self._ff_router is not None:
+                    self._ff_router.leg_done(handle.ticket, handle.share[k], rail, nbytes, now - t_post,
+                                             ok=st == "DONE")
         settled = all(t is not None for t in handle.t_done)
+        if settled and handle.ticket is not None and self._ff_router is not None:
+            self._ff_router.finish(handle.ticket)  # idempotent
         if settled and not handle.recorded and self._ff_stats is not None:
             handle.recorded = True
             self._ff_stats.record(handle.path_type,

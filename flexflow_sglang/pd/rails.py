@@ -26,9 +26,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import ConfigError
 from ..monitor import NodeAgent
-from ..selector import PathSelector, SelectorConfig, TransferRequest
+from ..selector import PathSelector, SelectorConfig
 from ..selector.types import PathType
 from ..topology import LinkType, NodeKind, Topology
+from ..transfer import Ticket, TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,20 @@ class RoutePlan:
     path_type: str  # "direct" | "split" | "fixed"
     reason: str
     qos_violation: bool = False
+    #: the transfer engine's ticket for this chunk (select + reserve done; share k is subpath k);
+    #: legs release and report through it (RailRouter.leg_posted / leg_done), close() ends it
+    ticket: Optional[Ticket] = None
 
 
 class RailRouter:
     """Chooses rails for each KV chunk; collects the chunks' observed bandwidth as feedback.
 
-    Thread-safe: SGLang's NIXL sender runs several transfer workers, each calls plan()/report().
+    Selecting, reserving, releasing and reporting are the transfer engine's (transfer/engine.py):
+    `plan()` opens one Ticket per chunk (select + reserve every subpath for the decision's
+    estimated time), `leg_posted()` marks a leg's bytes as ours on the wire, `leg_done()` releases
+    and reports one leg, `finish()` releases what is left. The NIXL manager only posts and polls.
+
+    Thread-safe: SGLang's NIXL sender runs several transfer workers, each calls plan()/leg_done().
     """
 
     def __init__(self, rails: Sequence[str], selector_config: SelectorConfig, policy: str = "adaptive",
@@ -125,6 +134,7 @@ class RailRouter:
                                feedback_half_life_ms=feedback_half_life_ms, sysfs_root=sysfs_root,
                                elastic_share=elastic_share, elastic_probe_s=elastic_probe_s)
         self.selector = PathSelector(self.topology, self.agent, selector_config, impl=impl)
+        self.engine = TransferEngine(self.selector, self.agent, name="ff-pd")
         self._rail_of_node = {f"rail{i}": i for i in range(len(self.rails))}
         self._net_link = {i: self.topology.links_between(f"rail{i}", DST)[0].id for i in range(len(self.rails))}
         if start_monitor:
@@ -134,40 +144,54 @@ class RailRouter:
         self.agent.stop()
 
     def plan(self, nbytes: int) -> RoutePlan:
+        """The rails for one chunk, with its ticket (reservations held until leg_done / finish).
+        Raises when the selector has no route (the caller sends the chunk via SGLang's agent)."""
         if self.policy == "first_rail" or len(self.rails) == 1:
-            plan = RoutePlan([RailShare(0, 1.0)], "fixed", "pd.policy first_rail" if self.policy == "first_rail"
-                             else "one rail")
+            return RoutePlan([RailShare(0, 1.0)], "fixed", "pd.policy first_rail" if self.policy == "first_rail"
+                             else "one rail", ticket=self.engine.unrouted(int(nbytes)))
+        t = self.engine.open(SRC, DST, max(1, int(nbytes)))
+        d = t.decision
+        if d is None:
+            t.close()
+            raise RuntimeError(f"no rail route for a {nbytes} B chunk (selector failed)")
+        shares = []
+        for sp in d.subpaths:
+            rail = next(self._rail_of_node[n] for n in sp.nodes if n in self._rail_of_node)
+            shares.append(RailShare(rail, sp.nbytes / float(nbytes) if nbytes else 1.0))
+        kind = "split" if d.chosen_type == PathType.SplitPath else "direct"
+        return RoutePlan(shares, kind, d.reason, bool(d.qos_violation), ticket=t)
+
+    def _leg_links(self, ticket: Ticket, leg: int, rail: int):
+        """The links a leg crosses: its subpath's when routed, else the rail's network link."""
+        subs = ticket.subpaths
+        if 0 <= leg < len(subs) and self._rail_of_node.get(subs[leg].nodes[1]) == rail:
+            return subs[leg].links
+        return (self._net_link[rail],)
+
+    def leg_posted(self, ticket: Ticket, leg: int, rail: int, nbytes: int) -> None:
+        """Leg `leg` (share index) was posted on `rail`: the sampled counters must not count its
+        bytes as foreign load while it runs."""
+        ticket.posted(leg, int(nbytes), links=self._leg_links(ticket, leg, rail))
+
+    def leg_done(self, ticket: Ticket, leg: int, rail: int, nbytes: int, seconds: float, ok: bool = True) -> None:
+        """A leg ended: release its reservation; a successful leg's own rate is feedback for its rail
+        (a failed one reports nothing: its time says nothing about the link)."""
+        if ok and rail >= 0 and nbytes > 0 and seconds > 0:
+            ticket.leg_done(leg, int(nbytes), float(seconds), links=self._leg_links(ticket, leg, rail), relays=0,
+                            progress_reported=True)
         else:
-            d = self.selector.select(TransferRequest(SRC, DST, max(1, int(nbytes))))
-            shares = []
-            for sp in d.subpaths:
-                rail = next(self._rail_of_node[n] for n in sp.nodes if n in self._rail_of_node)
-                shares.append(RailShare(rail, sp.nbytes / float(nbytes) if nbytes else 1.0))
-            kind = "split" if d.chosen_type == PathType.SplitPath else "direct"
-            plan = RoutePlan(shares, kind, d.reason, bool(d.qos_violation))
-        return plan
+            ticket.release_leg(leg)
 
-    def report(self, rail: int, nbytes: int, seconds: float) -> None:
-        """A leg finished: its own rate is feedback for the rail's network link."""
-        if nbytes > 0 and seconds > 0:
-            self.agent.report_transfer([self._net_link[rail]], int(nbytes), float(seconds))
+    def finish(self, ticket: Optional[Ticket]) -> None:
+        """The chunk is settled (or abandoned): release whatever it still holds; idempotent."""
+        if ticket is not None:
+            ticket.close("pd:")
 
-    def report_posted(self, rail: int, nbytes: int) -> int:
-        """Our bytes are about to hit the rail: the sampled counters must not count them as foreign
-        load, and until the leg ends the rail shows them as in flight (a concurrent chunk from another
-        transfer worker sees them). Returns the reservation token for release()."""
-        link = self._net_link[rail]
-        self.agent.report_progress([link], int(nbytes))
-        try:
-            return self.agent.reserve([link], int(nbytes))
-        except Exception:  # bookkeeping must never fail a transfer
-            return 0
-
-    def release(self, token) -> None:
-        try:
-            self.agent.release(token)
-        except Exception:
-            pass
+    def feedback(self, rail: int, nbytes: int, seconds: float) -> None:
+        """A transfer on `rail` measured outside a plan (a probe, a test): its rate is feedback."""
+        t = self.engine.unrouted(int(nbytes))
+        t.leg_done(0, int(nbytes), float(seconds), links=(self._net_link[rail],), relays=0)
+        t.close()
 
     def utilization(self) -> List[float]:
         return [float(self.agent.util[self._net_link[i]]) for i in range(len(self.rails))]

@@ -203,6 +203,11 @@ class TransferEngine:
                 logger.debug("flexflow transfer: reserve failed: %r", e)
         return t
 
+    def unrouted(self, nbytes: int = 0) -> Ticket:
+        """A ticket without a decision, for a move whose route is fixed by its caller (a pinned rail,
+        an ablation's baseline): its legs still release and report here, with explicit links."""
+        return Ticket(self, None, nbytes)
+
     def estimate_s(self, src: Optional[str], dst: Optional[str], nbytes: int) -> Optional[float]:
         """The selector's predicted seconds for src -> dst under the current load, without a
         reservation; None when there is no route (as in open())."""

@@ -27,24 +27,29 @@ class FakeAgent:
 
 
 class FakeRouter:
+    """RailRouter's leg API, recorded; tickets are plain objects (the real ones: tests/pd/test_rails.py)."""
+
     def __init__(self, plan=None, exc=None):
         self._plan, self._exc = plan, exc
-        self.reports, self.posted, self.released = [], [], []
+        self.reports, self.posted, self.released, self.finished = [], [], [], []
 
     def plan(self, nbytes):
         if self._exc:
             raise self._exc
+        if self._plan is not None and self._plan.ticket is None:
+            self._plan.ticket = object()
         return self._plan
 
-    def report(self, rail, nbytes, seconds):
-        self.reports.append((rail, nbytes))
-
-    def report_posted(self, rail, nbytes):
+    def leg_posted(self, ticket, share, rail, nbytes):
         self.posted.append((rail, nbytes))
-        return 1000 + len(self.posted)
 
-    def release(self, token):
-        self.released.append(token)
+    def leg_done(self, ticket, share, rail, nbytes, seconds, ok=True):
+        self.released.append(share)
+        if ok and rail >= 0:
+            self.reports.append((rail, nbytes))
+
+    def finish(self, ticket):
+        self.finished.append(ticket)
 
 
 def _manager(router, n_rails=2, stats=True):
@@ -98,7 +103,8 @@ def test_split_posts_each_part_on_its_rail_agent(generic_calls):
     settled, failed = m._ff_state(x)
     assert settled and not failed
     assert sorted(router.reports) == [(0, 400), (1, 1200)]
-    assert sorted(router.released) == [1001, 1002]  # each leg's in-flight reservation ended with it
+    assert sorted(router.released) == [0, 1]  # each leg's in-flight reservation ended with it (share index)
+    assert router.finished and router.finished[-1] is plan.ticket  # the chunk's ticket closed once settled
     assert m._ff_stats.metrics()["bytes_per_rail"] == {"rail0": 400, "rail1": 1200}
 
 

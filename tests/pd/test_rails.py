@@ -79,19 +79,41 @@ def test_feedback_from_slow_legs_moves_traffic():
     r = _router()
     # rail 0 delivered 8 MiB in 0.5 s (16 MB/s on a 1 GB/s rail): it is congested by someone else
     for _ in range(3):
-        r.report(0, 8 << 20, 0.5)
+        r.feedback(0, 8 << 20, 0.5)
     plan = r.plan(32 << 20)
     shares = {s.rail: s.fraction for s in plan.shares}
     assert shares.get(1, 0) > 0.9
 
 
-def test_posted_leg_is_in_flight_until_released():
+def test_planned_chunk_is_in_flight_until_its_legs_end():
+    """select -> reserve -> legs -> release -> report run through the transfer engine's ticket."""
     r = _router()
     before = r.utilization()
-    tok = r.report_posted(0, 64 << 20)
-    assert tok and r.utilization()[0] > before[0] and r.utilization()[1] == before[1]
-    r.release(tok)
-    assert r.utilization()[0] == pytest.approx(before[0])
+    plan = r.plan(64 << 20)
+    assert plan.path_type == "split" and plan.ticket is not None and r.agent.in_flight == 2
+    assert all(u > b for u, b in zip(r.utilization(), before))  # both rails show our chunk in flight
+    reports = []
+    orig = r.agent.report_transfer
+    r.agent.report_transfer = lambda links, n, s, **kw: reports.append((tuple(links), n, kw)) or orig(links, n, s, **kw)
+    s0, s1 = plan.shares
+    r.leg_posted(plan.ticket, 0, s0.rail, 32 << 20)
+    r.leg_done(plan.ticket, 0, s0.rail, 32 << 20, 0.05)
+    assert r.agent.in_flight == 1 and len(reports) == 1
+    links, n, kw = reports[0]
+    assert r._net_link[s0.rail] in links and n == 32 << 20 and kw.get("progress_reported") is True
+    r.leg_done(plan.ticket, 1, s1.rail, 32 << 20, 0.05, ok=False)  # a failed leg: released, not reported
+    assert r.agent.in_flight == 0 and len(reports) == 1
+    r.finish(plan.ticket)
+    r.finish(plan.ticket)  # idempotent
+    assert r.engine.bandwidth_by_type()["pd:SplitPath"]["moves"] == 1
+
+
+def test_abandoned_chunk_releases_everything():
+    r = _router()
+    plan = r.plan(64 << 20)
+    assert r.agent.in_flight == 2
+    r.finish(plan.ticket)
+    assert r.agent.in_flight == 0
 
 
 def test_first_rail_policy_is_fixed():

@@ -99,7 +99,7 @@ class FlexFlowConnector:
                  topology=None, agent=None, device_index: int = 0, defer_stores: bool = False,
                  start_agent: bool = True):
         from ..monitor import NodeAgent
-        from ..selector import PathSelector
+        from ..selector import PathSelector, PathType
 
         tiers = list(tiers)
         for t in tiers:
@@ -132,7 +132,9 @@ class FlexFlowConnector:
             if start_agent:
                 agent.start()
         self.agent = agent
-        self.selector = PathSelector(self.topology, agent, self.config.selector, impl=self.config.selector_impl)
+        # device <-> host moves have no storage-relay executor (executors.py): never offered here
+        self.selector = PathSelector(self.topology, agent, self.config.selector, impl=self.config.selector_impl,
+                                     exclude_types=(PathType.StorageRelay,))
         # the one transfer engine: routes every move, runs deep-tier I/O on its workers
         tc = self.config.transfer
         self.engine = engine_from_config(self.selector, agent, tc, ttft_sensitive=self.config.selector.ttft_sensitive)

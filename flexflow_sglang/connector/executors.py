@@ -5,8 +5,9 @@ Every move is one `TransferRequest(src, dst, bytes)`; the executor carries out t
 - Direct: one gather (device -> host) or scatter (host -> device) over all pages;
 - SplitPath: the pages divided by the subpaths' byte shares, one move per subpath (CPU: in turn;
   CUDA: one stream per subpath, joined with events);
-- NVLinkRelay / CrossNodeRelay / StorageRelay: staged through the relay GPU when this process sees
-  it (CUDA, more than one device), otherwise carried out as Direct (debug log).
+- NVLinkRelay / CrossNodeRelay: staged through the relay GPU when this process sees it (CUDA, more
+  than one device), otherwise carried out as Direct (debug log). StorageRelay has no executor for
+  device <-> host moves: the connector's selector is built without it (`exclude_types`).
 Selecting, reserving, running the legs, releasing and reporting each move is the transfer
 engine's (flexflow_sglang/transfer/engine.py: `TransferEngine.move`, or a `Ticket` for the CUDA
 split whose legs run on concurrent streams); this module only supplies the legs.

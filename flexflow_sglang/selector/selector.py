@@ -65,11 +65,14 @@ class PathSelector:
     link id); None means an idle network. `impl` forces 'compiled' or 'python' (default: auto)."""
 
     def __init__(self, topology: Topology, agent=None, config: Optional[SelectorConfig] = None,
-                 impl: Optional[str] = None, allow_storage: bool = True):
+                 impl: Optional[str] = None, allow_storage: bool = True, exclude_types=()):
         self.topology = topology
         self.config = config or SelectorConfig()
         self.impl, self._core_cls = _resolve_impl(impl)
-        self.allow_storage = allow_storage
+        #: path types never returned (and never part of a split): an executor that cannot carry
+        #: them out is served by a selector that does not offer them (see without())
+        self.exclude_types = frozenset(PathType(t) for t in exclude_types)
+        self.allow_storage = allow_storage and PathType.StorageRelay not in self.exclude_types
         n_links = len(topology.links)
         if agent is None:
             from ..monitor.node_agent import NodeAgent
@@ -92,6 +95,16 @@ class PathSelector:
         if self.impl == "compiled":  # select() as one C call; the method below is the twin's path
             self._dispatch = _compiled.Dispatch(self._table, self, PathDecision, self._ttft_default)
             self.select = self._dispatch.select
+
+    def without(self, *types) -> "PathSelector":
+        """A selector over the same topology, NodeAgent and config that never returns `types`
+        (e.g. the remote tier's router, which has no StorageRelay or NVLinkRelay executor). It
+        shares the agent (loads, feedback, reservations) and the agent's QoS threshold array."""
+        sib = PathSelector(self.topology, self.agent, self.config, impl=self.impl, allow_storage=self.allow_storage,
+                           exclude_types=self.exclude_types | {PathType(t) for t in types})
+        sib._thr = self._thr
+        self.agent.qos_thresholds = self._thr
+        return sib
 
     def _thresholds(self) -> np.ndarray:
         return np.array([self.config.threshold_for(l.qos_class) for l in self.topology.links], dtype=np.float64)
@@ -122,6 +135,8 @@ class PathSelector:
             paths = self.topology.enumerate_paths(src, dst, allow_storage=self.allow_storage)
         except TopologyError as e:
             raise SelectorError(str(e)) from None
+        if self.exclude_types:
+            paths = tuple(p for p in paths if p.type not in self.exclude_types)
         if not paths:
             raise SelectorError(f"no path from {src!r} to {dst!r} in topology {self.topology.name}")
         links = self.topology.links

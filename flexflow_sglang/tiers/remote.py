@@ -101,7 +101,11 @@ class RemoteTier(KVTier):
             return False
         if not local_node or local_node not in selector.topology.nodes:
             raise ValueError(f"RemoteTier: a selector needs local_node, a node of its topology (got {local_node!r})")
-        from .routing import Router
+        from .routing import Router, UNEXECUTED_TYPES
+        missing = UNEXECUTED_TYPES - getattr(selector, "exclude_types", frozenset())
+        if missing and hasattr(selector, "without"):
+            # the router has no executor for these: the selector must not offer them (issue 13)
+            selector = selector.without(*missing)
         with self.lock:
             self._router = Router(self, selector, local_node, peer_nodes, relay_chunk_bytes, engine=engine)
             for k in ("route_direct", "route_relay", "route_split", "route_other", "relay_fallbacks",

@@ -14,7 +14,9 @@ decision's legs:
   once: the relay pulls chunk i+1 while the client reads chunk i (gets); puts keep one WRITE in
   flight per relay, so chunk i is forwarded while chunk i+1 is written.
 * SplitPath: the owner's rows are cut in proportion to the legs' bytes, each leg executed as
-  above, all legs concurrently. Other leg types (StorageRelay, NVLinkRelay) run as Direct.
+  above, all legs concurrently. StorageRelay and NVLinkRelay have no executor here (a tier server
+  is not a storage relay, and a GPU bounce does not apply to host-tier rows): `RemoteTier.route_with`
+  hands the router a selector that never returns them (`PathSelector.without(*UNEXECUTED_TYPES)`).
 
 A relay whose server predates RELAY_* answers ERROR (and closes): the relay is marked unsupported
 for retry_after_s and the affected rows go direct in the same call. A relay that fails (timeout,
@@ -42,6 +44,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
+from ..topology.graph import PathType
 from .base import page_checksums
 from .wire import Frame, MsgType, WireError, int_list, pack_keys, read_frame, write_frame
 
@@ -50,6 +53,9 @@ log = logging.getLogger("flexflow_sglang.tiers.remote")
 # An item's progress (_Item.state): awaiting its reply, transfer postable, transfer posted,
 # awaiting COMMIT_OK (puts), done; or failed (a miss for its rows).
 _FAILED, _REPLY, _READY, _XFER, _COMMIT, _DONE = -1, 0, 1, 2, 3, 4
+
+#: path types the router cannot carry out; its selector is built without them (RemoteTier.route_with)
+UNEXECUTED_TYPES = frozenset({PathType.StorageRelay, PathType.NVLinkRelay})
 
 _ROUTE_COUNTER = {"Direct": "direct", "CrossNodeRelay": "relay", "SplitPath": "split"}  # stats route_*
 

@@ -115,7 +115,7 @@ class Topology:
         self.links: List[Link] = []
         self._adj: Dict[str, List[int]] = {}
         self._pair_links: Dict[frozenset, List[int]] = {}
-        self._path_cache: Dict[Tuple[str, str], Tuple[Path, ...]] = {}
+        self._path_cache: Dict[tuple, Tuple[Path, ...]] = {}
         self._direct_cache: Dict[Tuple[str, str], List[Path]] = {}
 
     # ----------------------------------------------------------------- building
@@ -269,7 +269,7 @@ class Topology:
         self.node(src), self.node(dst)
         if src == dst:
             raise TopologyError(f"source and destination are the same node {src!r}")
-        key = (src, dst)
+        key = (src, dst, max_relays, allow_storage)  # the options change the answer: part of the key
         cached = self._path_cache.get(key)
         if cached is not None:
             return cached

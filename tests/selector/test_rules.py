@@ -179,6 +179,28 @@ def test_storage_relay_when_fast_paths_rejected(impl):
     assert not d.qos_violation
 
 
+def test_excluded_types_are_never_returned_nor_split(impl):
+    """A serving path without a StorageRelay / NVLinkRelay executor asks a selector without them;
+    the sibling shares the agent, so loads and reservations stay one view."""
+    topo, agent, sel = mk("cluster2x8x4", impl)
+    for k in range(4):
+        agent.set_utilization(f"n0.nic{k}", f"leaf{k}", 0.95)
+    req = TransferRequest("n0.gpu0", "n1.gpu0", 64 * MiB)
+    assert any(sp.type == PathType.StorageRelay for sp in sel.select(req).subpaths)
+    no_st = sel.without(PathType.StorageRelay, "NVLinkRelay")
+    assert no_st.agent is agent and no_st.exclude_types == {PathType.StorageRelay, PathType.NVLinkRelay}
+    assert not any(p.type in no_st.exclude_types for p in no_st.candidates("n0.gpu0", "n1.gpu0"))
+    for nbytes in (64 * 1024, 4 * MiB, 64 * MiB, 1024 * MiB):
+        d = no_st.select(TransferRequest("n0.gpu0", "n1.gpu0", nbytes))
+        assert d.chosen_type not in no_st.exclude_types
+        assert all(sp.type not in no_st.exclude_types for sp in d.subpaths), d
+    # the original is unchanged, and asking the topology with other options is not served from a cache
+    assert any(sp.type == PathType.StorageRelay for sp in sel.select(req).subpaths)
+    assert any(p.type == PathType.StorageRelay for p in topo.enumerate_paths("n0.gpu0", "n1.gpu0"))
+    assert not any(p.type == PathType.StorageRelay
+                   for p in topo.enumerate_paths("n0.gpu0", "n1.gpu0", allow_storage=False))
+
+
 def test_least_bad_when_everything_rejected(impl):
     _, agent, sel = mk("hosts3", impl)
     agent.set_utilization("n0", "n2", 0.95)

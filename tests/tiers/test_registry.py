@@ -55,6 +55,27 @@ def test_kvtier_is_one_abstract_base_class():
     assert RemoteTier(["127.0.0.1:9"]).can_route  # overrides route_with
 
 
+def test_routed_remote_tier_selector_never_returns_a_type_it_cannot_execute():
+    """Issue 13 item 4: the remote tier's router has no StorageRelay / NVLinkRelay executor, so the
+    selector it routes with is told not to return them (it shares the connector's agent)."""
+    from flexflow_sglang import NodeAgent, PathSelector, PathType
+    from flexflow_sglang.tiers.remote import RemoteTier
+    from flexflow_sglang.tiers.routing import UNEXECUTED_TYPES
+    from flexflow_sglang.topology import make_mock
+    topo = make_mock("cluster2x8x4")
+    agent = NodeAgent(topo, source="mock")
+    sel = PathSelector(topo, agent)
+    t = RemoteTier(["127.0.0.1:9"])
+    try:
+        assert t.route_with(sel, "n0.cpu0") is True
+        rsel = t._router.sel
+        assert rsel is not sel and rsel.agent is agent and UNEXECUTED_TYPES <= rsel.exclude_types
+        assert PathType.CrossNodeRelay not in rsel.exclude_types and PathType.SplitPath not in rsel.exclude_types
+        assert not sel.exclude_types  # the caller's selector is left as it was
+    finally:
+        t.close()
+
+
 def test_in_memory_tier_rows_are_uint8_pages():
     t = InMemoryTier(capacity_pages=2)
     keys = [bytes([i]) * 32 for i in range(3)]

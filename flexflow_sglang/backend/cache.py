@@ -37,6 +37,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from . import kv_dump
 from .host_adopt import adopt_host_pages
 from .rank_sync import RankSync, describe
+from .sched_clock import SchedClock, timed
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -89,6 +90,7 @@ class FlexFlowRadixCache(RadixCache):
 
     def __init__(self, params, *, ctx=None, connector: "Optional[FlexFlowConnector]" = None, config=None):
         # RadixCache.__init__ ends with self.reset(): everything reset() reads must exist first
+        self._sched = SchedClock()  # time held on the scheduler thread, per hook
         self.connector = None
         self._layers = None  # LayerLoader (layer-wise load-back), set once the connector exists
         self.write_policy = "write_through"
@@ -203,6 +205,7 @@ class FlexFlowRadixCache(RadixCache):
             self._key_memo.clear()  # keys computed with the seed clear() just rotated
 
     # ================================================================= match / load back
+    @timed("match_prefix")
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         res = super().match_prefix(params)
         req = params.req
@@ -250,6 +253,7 @@ class FlexFlowRadixCache(RadixCache):
         self._m["host_hit_matches"] += 1
         return res._replace(host_hit_length=hit)
 
+    @timed("init_load_back")
     def init_load_back(self, params: InitLoadBackParams) -> Optional[Tuple[int, Any]]:
         anchor = params.best_match_node
         n = params.host_hit_length
@@ -365,6 +369,7 @@ class FlexFlowRadixCache(RadixCache):
         return True
 
     # ================================================================= store side
+    @timed("checkpoint")
     def checkpoint(self, req: "Req", *, up_to: int):
         if (self.connector is not None and not self.disable and not self.connector.closed
                 and self.connector.config.host_tier.canonical_on_insert):
@@ -389,6 +394,7 @@ class FlexFlowRadixCache(RadixCache):
             # the copy reads these slots later: keep them out of eviction until it is acknowledged
             self._inflight.append((handle, self.lock(node)))
 
+    @timed("evict")
     def evict(self, params: EvictParams) -> EvictResult:
         if self.disable:
             return EvictResult()
@@ -452,6 +458,7 @@ class FlexFlowRadixCache(RadixCache):
         if self._prom is not None:
             self._prom.update(self._prom_metrics())  # throttled inside
 
+    @timed("tick")
     def tick(self) -> None:
         """The per-step scheduler tick (plugin hook): poll, then agree which queued requests'
         prefetches are ready. Only here, never from evict() or other call sites: the agreement is
@@ -464,6 +471,7 @@ class FlexFlowRadixCache(RadixCache):
         m = self.connector.metrics()
         m["cache"] = {k: v for k, v in self._m.items()}
         m["cache"]["inflight_stores"] = len(self._inflight)
+        m["cache"]["sched"] = self._sched.snapshot()
         if self._layers is not None:
             m["cache"].update(self._layers.m)
         return m
@@ -496,6 +504,7 @@ class FlexFlowRadixCache(RadixCache):
         return False
 
     # ================================================================= prefetch on arrival
+    @timed("prefetch_on_arrival")
     def prefetch_on_arrival(self, req: "Req") -> None:
         """A request was queued (Scheduler._prefetch_kvcache, plugin hook): start fetching the
         deep-tier pages past its device + host hit into the host tier, so that its load-back is
@@ -581,6 +590,7 @@ class FlexFlowRadixCache(RadixCache):
         return True
 
     # ================================================================= per-request state
+    @timed("on_release")
     def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         self._forget(req.cache_request_handle)
 
@@ -670,6 +680,7 @@ class FlexFlowRadixCache(RadixCache):
     def metrics(self) -> Dict[str, Any]:
         m: Dict[str, Any] = dict(self._m)
         m["inflight_stores"] = len(self._inflight)
+        m["sched"] = self._sched.snapshot()
         m["pending_prefetches"] = sum(1 for e in self._prefetch.values() if not e.ready)
         if self._layers is not None:
             m.update(self._layers.m)

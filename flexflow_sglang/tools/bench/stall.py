@@ -167,7 +167,11 @@ def run_inside(args) -> int:
             m = flexflow_metrics(url)
             res["metrics"] = {k: v for k, v in m.items() if any(s in k for s in (
                 "written_through", "pages_spilled", "pages_loaded", "dropped", "prefetch", "fetch_timeouts",
-                "stores", "transfer_"))}
+                "stores", "transfer_", "cache_sched_"))}
+            # the backend's own time on the scheduler thread (backend/sched_clock.py): which hook, if
+            # any, held every decoding request
+            res["sched_hooks"] = {k[len("flexflow_cache_sched_"):]: v for k, v in m.items()
+                                  if k.startswith("flexflow_cache_sched_")}
         except Exception as e:  # noqa: BLE001
             res["metrics_error"] = repr(e)
     finally:
@@ -282,6 +286,10 @@ def run_driver(args) -> int:
             continue
         print(f"{m:8} {r['itl']['p50_ms']:11.1f} {r['itl']['p99_ms']:11.1f} "
               f"{out['ratios'].get(m, {}).get('p99_vs_off', float('nan')):11.2f} {r['background']['requests']:12d}")
+        worst = sorted(((v, k[:-len("_max_ms")]) for k, v in r.get("sched_hooks", {}).items() if k.endswith("_max_ms")),
+                       reverse=True)[:3]
+        if worst:
+            print(f"{'':8} longest scheduler-thread hooks: " + ", ".join(f"{h} {v:.1f} ms" for v, h in worst))
     return 0
 
 

@@ -123,6 +123,9 @@ class TransferConfig:
     # the server's prefill throughput (tokens/s); > 0: a deep run estimated to arrive slower than its
     # tokens would recompute is left to SGLang's prefill (connector/fetch_cost.py); 0: always fetch
     recompute_tokens_per_s: float = 0.0
+    # niceness added to the engine's worker threads: background I/O and checksums yield the CPU to
+    # the scheduler thread and the forward's threads when cores are short (0: same priority)
+    worker_nice: int = 0
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                  "load_timeout_ms": ("positive", None),
                  "prefetch_policy": ("choice", ("off", "best_effort", "wait_complete", "timeout")),
                  "prefetch_timeout_base_s": ("nonneg", None), "prefetch_timeout_per_ki_token_s": ("nonneg", None),
-                 "recompute_tokens_per_s": ("nonneg", None)},
+                 "recompute_tokens_per_s": ("nonneg", None), "worker_nice": ("int_range", (0, 19))},
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",
                 ("DEBUG", "INFO", "WARNING", "ERROR"))}

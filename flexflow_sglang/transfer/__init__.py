@@ -14,4 +14,5 @@ def engine_from_config(selector, agent, tc=None, *, ttft_sensitive: bool = False
     if tc is None:
         return TransferEngine(selector, agent, ttft_sensitive=ttft_sensitive)
     return TransferEngine(selector, agent, mode=tc.mode, workers=tc.workers, queue_bytes=tc.queue_bytes,
-                          chunk_bytes=tc.chunk_bytes, ttft_sensitive=ttft_sensitive)
+                          chunk_bytes=tc.chunk_bytes, ttft_sensitive=ttft_sensitive,
+                          worker_nice=getattr(tc, "worker_nice", 0))

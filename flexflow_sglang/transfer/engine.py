@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -153,7 +154,7 @@ class Ticket:
 class TransferEngine:
     def __init__(self, selector, agent, *, mode: str = "async", workers: int = 2,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 ttft_sensitive: bool = False, name: str = "ff-transfer"):
+                 ttft_sensitive: bool = False, name: str = "ff-transfer", worker_nice: int = 0):
         if mode not in ("async", "sync"):
             raise ValueError(f"transfer mode must be 'async' or 'sync', got {mode!r}")
         self.selector = selector
@@ -164,6 +165,7 @@ class TransferEngine:
         self.chunk_bytes = max(4096, int(chunk_bytes))
         self.ttft_sensitive = ttft_sensitive
         self.name = name
+        self.worker_nice = max(0, int(worker_nice))
         # bytes and seconds per chosen path type (moves record "<type>", tier I/O "tier:<type>")
         self.by_type: Dict[str, Dict[str, float]] = {}
         self._cv = threading.Condition()
@@ -318,7 +320,19 @@ class TransferEngine:
         self._threads.append(th)
         th.start()
 
+    def _lower_priority(self) -> None:
+        """Raise this worker thread's niceness by worker_nice (Linux: per thread; raising needs no
+        privilege). Background copies then yield the CPU to the scheduler and forward threads."""
+        if not self.worker_nice or not hasattr(os, "setpriority"):
+            return
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + self.worker_nice))
+        except OSError as e:
+            logger.debug("flexflow transfer: cannot lower worker priority: %r", e)
+
     def _work(self) -> None:
+        self._lower_priority()
         while True:
             with self._cv:
                 while not self._heap and not self._closed:

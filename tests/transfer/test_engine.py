@@ -167,3 +167,19 @@ def test_ticket_for_legs_run_elsewhere_posts_releases_and_reports_once(eng):
     assert eng.agent.in_flight == 0 and len(transfers) == 1  # released without a report
     st = t.close()
     assert st.nbytes == 32 << 20 and t.closed and eng.bandwidth_by_type()["SplitPath"]["moves"] == 1
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "setpriority"), reason="per-thread niceness is Linux-only")
+def test_worker_nice_lowers_only_the_workers_priority():
+    import os
+    topo = two_rail()
+    agent = NodeAgent(topo, source="mock")
+    e = TransferEngine(PathSelector(topo, agent, SelectorConfig()), agent, worker_nice=5)
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        job = Job("spill", lambda j: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert e.submit(job) and job.wait(10)
+        assert job.result == min(19, mine + 5)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller is untouched
+    finally:
+        e.close()

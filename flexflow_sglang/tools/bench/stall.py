@@ -44,7 +44,7 @@ TIER_PORT = 7400
 
 
 # ------------------------------------------------------------------------------------------ pure logic
-def mode_config(mode: str, *, host_tokens: int, storage_path: str, peer: Optional[str]) -> dict:
+def mode_config(mode: str, *, host_tokens: int, storage_path: str, peer: Optional[str], worker_nice: int = 0) -> dict:
     """The FLEXFLOW_CONFIG of one mode (a dict to dump as YAML/JSON)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -54,7 +54,7 @@ def mode_config(mode: str, *, host_tokens: int, storage_path: str, peer: Optiona
         cfg["storage_tier"] = {"enabled": True, "path": storage_path, "capacity_gb": 4.0, "write_through": True}
         if peer:
             cfg["remote_tier"] = {"enabled": True, "peers": [peer], "timeout_ms": 30000, "write_through": True}
-        cfg["transfer"] = {"mode": "sync" if mode == "sync" else "async"}
+        cfg["transfer"] = {"mode": "sync" if mode == "sync" else "async", "worker_nice": int(worker_nice)}
     return cfg
 
 
@@ -111,7 +111,8 @@ def run_inside(args) -> int:
         host_tokens = args.off_host_tokens or off_host_tokens(args.writers, args.fresh_prompts, args.prompt_tokens)
     with open(cfg_path, "w") as f:
         yaml.safe_dump(mode_config(args.mode, host_tokens=host_tokens,
-                                   storage_path=os.path.join(work, "kv"), peer=args.peer), f)
+                                   storage_path=os.path.join(work, "kv"), peer=args.peer,
+                                   worker_nice=args.worker_nice), f)
     server = SGLangServer(args.model, os.path.join(work, "server.log"), radix_cache_backend="flexflow",
                           flexflow_config=cfg_path, max_total_tokens=args.max_total_tokens,
                           max_running_requests=args.streams + args.writers + 2,
@@ -259,7 +260,8 @@ def run_driver(args) -> int:
             cmd = [sys.executable, "-m", "flexflow_sglang.tools.bench.stall", "--inside", "--mode", mode, "--peer", peer,
                    "--model", model, "--result", result, "--workdir", args.out]
             for k in ("streams", "decode_tokens", "rounds", "writers", "prompt_tokens", "fresh_prompts",
-                      "host_tokens", "off_host_tokens", "max_total_tokens", "lead_s", "start_timeout", "dtype"):
+                      "host_tokens", "off_host_tokens", "max_total_tokens", "lead_s", "start_timeout", "dtype",
+                      "worker_nice"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             log = open(os.path.join(args.out, f"runner-{mode}.log"), "wb")
             p = lab.spawn("srv", cmd, env={**env, "UCX_NET_DEVICES": lab.dev("srv", "tier")}, stdout=log,
@@ -315,6 +317,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=3072)
     ap.add_argument("--tier-capacity-gb", type=float, default=1.0)
     ap.add_argument("--lead-s", type=float, default=3.0)
+    ap.add_argument("--worker-nice", type=int, default=0, help="transfer.worker_nice of the async/sync servers")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     # inside the srv namespace (spawned by the driver)
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)

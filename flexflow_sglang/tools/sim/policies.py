@@ -3,7 +3,9 @@
 - `SelectorPolicy(selector, "direct")`: `PathSelector.always_direct` (the route a plain transport takes);
 - `SelectorPolicy(selector, "adaptive")`: the real `PathSelector.select`, deciding from its NodeAgent's
   view (sampled counters + feedback + its own in-flight transfers, reserved on the agent), split
-  shares executed as concurrent sub-flows;
+  shares executed as concurrent sub-flows. Select and reserve go through the production
+  `TransferEngine.open` (the one place a KV move is routed); the monitor releases and reports the
+  ticket's legs as the simulated sub-flows drain and complete (sim_agent.SimMonitor);
 - `OraclePolicy`: hindsight per transfer: every candidate path, and 2-way splits of each of the
   `top_k` best candidates with its `partners` best link-disjoint partners, are simulated forward from the current state (with the real future background,
   in-flight transfers included) and the fastest is taken; QoS-aware by default (the fastest among
@@ -17,7 +19,9 @@ from typing import Dict, List, Sequence, Tuple
 
 from flexflow_sglang.selector import PathSelector, TransferRequest
 from flexflow_sglang.topology.graph import Path, PathType, Topology
+from flexflow_sglang.transfer.engine import TransferEngine
 from .engine import Plan, Simulator, SubPlan
+from .sim_agent import sim_clock
 
 
 class _PathIndex:
@@ -49,16 +53,38 @@ class SelectorPolicy:
         self.selector, self.mode, self.monitor = selector, mode, monitor
         self._index = _PathIndex(selector)
         self.decisions: List = []
+        # adaptive: the production engine routes each move (select + reserve_decision); it starts
+        # no threads (nothing is submitted). Reservations live on the monitor's agent, which the
+        # monitor reports to; "direct" is the plain-transport baseline and routes nothing.
+        self.engine = None
+        if mode == "adaptive":
+            agent = getattr(monitor, "agent", None)
+            self.engine = TransferEngine(selector, selector.agent if agent is None else agent, name="ff-sim")
 
     def __call__(self, sim: Simulator, req: TransferRequest) -> Plan:
         if self.monitor is not None:
             self.monitor.before_decide(sim)
-        d = self.selector.select(req) if self.mode == "adaptive" else self.selector.always_direct(req)
+        ticket = None
+        if self.mode == "adaptive":
+            # reservations only where a monitor releases them at drain (and it has them on)
+            reserve = bool(getattr(self.monitor, "reserve_inflight", False))
+            with sim_clock(sim):  # the agent's reservation clock is the simulated one
+                ticket = self.engine.open(req.src, req.dst, req.data_bytes, req.ttft_sensitive, reserve=reserve)
+            d = ticket.decision
+            if d is None:
+                # open() swallows selector errors (production runs such a move unrouted); a
+                # simulation must not: surface the selector's own error, else a plain one
+                self.selector.candidates(req.src, req.dst)
+                raise RuntimeError(f"SelectorPolicy: no route {req.src} -> {req.dst} ({req.data_bytes} bytes)")
+        else:
+            d = self.selector.always_direct(req)
         self.decisions.append(d)
         pb = [(self._index.lookup(req.src, req.dst, sp.links), sp.nbytes) for sp in d.subpaths]
         plan = plan_from_paths(d.chosen_type.value, pb, d.estimated_time_us, str(d.reason_code))
-        if self.mode == "adaptive" and self.monitor is not None and hasattr(self.monitor, "reserve"):
-            plan.tokens = tuple(self.monitor.reserve(d))  # released by the monitor as legs drain
+        if ticket is not None:
+            plan.ticket = ticket  # the monitor releases / reports its legs and closes it
+            if reserve:  # one token per leg, as reserve_decision returned them (for inspection)
+                plan.tokens = tuple(ticket.tokens.get(i, 0) for i in range(len(d.subpaths)))
         return plan
 
 

@@ -10,11 +10,12 @@
   `report_progress()` at every sampling tick (what a chunked executor does per chunk), so a
   transfer longer than the sampling interval is never counted as foreign load; the completion
   report then passes `progress_reported=True`.
-- reservations: with `reserve=True` (default) the adaptive policy reserves every leg of its
-  decision on the agent (`NodeAgent.reserve_decision`) and the leg's token is released when its
-  last byte leaves (`on_drain`), so a transfer arriving while an earlier one still fills its links
-  sees them as partly busy; the agent also uses the reservations to estimate our in-flight bytes
-  on the sampled counters.
+- reservations: with `reserve=True` (default) the adaptive policy opens a `TransferEngine` ticket
+  (select + `NodeAgent.reserve_decision`, one token per leg) and the leg's token is released when
+  its last byte leaves (`on_drain` -> `Ticket.release_leg`), so a transfer arriving while an
+  earlier one still fills its links sees them as partly busy; the agent also uses the reservations
+  to estimate our in-flight bytes on the sampled counters. A completed leg is reported through
+  `Ticket.leg_done`; the ticket is closed when its last leg has been reported.
 - observed links: all, only those with a hardware counter attribute, or an explicit list of link
   ids (e.g. the two sysfs interfaces a NodeAgent inside one network namespace can read).
 - staleness: decisions see the average of the last completed interval (plus `lag_intervals`
@@ -143,21 +144,18 @@ class SimMonitor:
         self.samples += 1
         self.next_tick = sim.t + self.interval_s
 
-    def reserve(self, decision):
-        """Reserve a decision's legs on the agent (in simulated time); the tokens, one per leg."""
-        if not self.reserve_inflight or self._sim is None:
-            return ()
-        with sim_clock(self._sim):
-            return self.agent.reserve_decision(decision)
+    def _ticket(self, key):
+        """The engine ticket of transfer key[0] (the adaptive policy's plan.ticket), or None."""
+        if key is None or self._sim is None:
+            return None
+        rec = self._sim.transfers.get(key[0])
+        return getattr(rec.plan, "ticket", None) if rec is not None else None
 
     def _release(self, key) -> None:
-        if key is None or self._sim is None:
-            return
-        rec = self._sim.transfers.get(key[0])
-        toks = rec.plan.tokens if rec is not None else ()
-        if key[1] < len(toks) and toks[key[1]]:
+        ticket = self._ticket(key)
+        if ticket is not None:
             with sim_clock(self._sim):
-                self.agent.release(toks[key[1]])
+                ticket.release_leg(key[1])
 
     def on_drain(self, flow) -> None:
         """A KV sub-flow's last byte left: its reservation is released (the links are free); with
@@ -187,16 +185,24 @@ class SimMonitor:
         if self._sim is None:
             return
         self._release(key)  # normally already released at drain; harmless twice
+        ticket = self._ticket(key)
         with sim_clock(self._sim):
             if self.progress:  # own-byte accounting: the part not yet reported at a tick
                 done = self._progress_bytes.pop(key, 0.0)
                 if nbytes - done > 0.0:
                     self.agent.report_progress(links, nbytes - done)
-            if not self.feedback:
-                return
-            self.agent.report_transfer(links, int(nbytes), float(seconds), relays=int(relays),
-                                       progress_reported=self.progress)
-        self.reports += 1
+            if ticket is not None:
+                # the engine's leg end: feedback (when on) for the links the leg actually ran on
+                ticket.leg_done(key[1], int(nbytes), float(seconds), report=self.feedback, links=links,
+                                relays=int(relays), progress_reported=self.progress)
+                # every leg with bytes reported: the move is done (0-byte legs never run)
+                if len(ticket.stats.legs) >= sum(1 for sp in ticket.subpaths if sp.nbytes > 0):
+                    ticket.close()
+            elif self.feedback:  # a plan not routed by the engine (no ticket)
+                self.agent.report_transfer(links, int(nbytes), float(seconds), relays=int(relays),
+                                           progress_reported=self.progress)
+        if self.feedback:
+            self.reports += 1
 
     def before_decide(self, sim) -> None:
         """Apply feedback decay up to the decision time (the real agent refreshes every tick)."""

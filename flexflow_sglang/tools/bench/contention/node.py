@@ -428,6 +428,7 @@ class Sender:
                                   sysfs_root="/sys", elastic_share=elastic_share)
         self.selector_el = PathSelector(self.topo, self.agent_el, SelectorConfig())
         self._matched = None
+        self._engines: Dict[int, object] = {}  # id(selector) -> TransferEngine (see engine_for)
         self.max_bytes = max_bytes
         self.probe: Optional[ProbeLeg] = None
         self.probe_token = 0
@@ -446,6 +447,17 @@ class Sender:
             sel = PathSelector(self.topo, self.agent, SelectorConfig(relay_chunk_bytes=int(self.chunk)))
             self._matched = sel
         return self._matched
+
+    def engine_for(self, selector, agent):
+        """The TransferEngine that routes this selector's moves (select + reserve, release per
+        leg): one per (selector, NodeAgent) pair, made on first use. It starts no threads (the
+        lab runs its legs itself and submits nothing)."""
+        engines = self.__dict__.setdefault("_engines", {})  # (tests build a Sender without __init__)
+        eng = engines.get(id(selector))
+        if eng is None:
+            from flexflow_sglang.transfer.engine import TransferEngine
+            eng = engines[id(selector)] = TransferEngine(selector, agent, name="ff-lab")
+        return eng
 
     def start(self):
         self.agent.start()
@@ -563,44 +575,52 @@ class Sender:
                  report: Optional[str] = None) -> dict:
         """Move payload bytes [0, nbytes) to n2 [0, nbytes). report: 'chunk' (feedback per completed
         chunk), 'leg' (one report per leg at its end), or None (default: 'chunk' for adaptive)."""
-        from flexflow_sglang.selector import TransferRequest
         if report is None:
             report = "chunk" if policy.startswith("adaptive") else "none"
         label = policy
         crc = self._stamp(xid, nbytes)
         self.cur_xid = xid
         self.acks.clear()
-        decision = None
-        t_sel = time.monotonic()
+        engine = None
         if policy == "adaptive-chunkmodel":  # ablation, see matched_selector()
-            decision = self.matched_selector().select(TransferRequest("n0", "n2", nbytes))
+            engine = self.engine_for(self.matched_selector(), self.agent)
             policy = "adaptive"
         elif policy == "adaptive":
-            decision = self.selector.select(TransferRequest("n0", "n2", nbytes))
+            engine = self.engine_for(self.selector, self.agent)
         elif policy == "adaptive-elastic":
-            decision = self.selector_el.select(TransferRequest("n0", "n2", nbytes))
-        t_sel = time.monotonic() - t_sel
-        legs = self._legs(policy, xid, nbytes, decision)
+            engine = self.engine_for(self.selector_el, self.agent_el)
         adaptive = policy in ADAPTIVE
         elastic = policy == "adaptive-elastic"
         agent = self.agent_el if elastic else self.agent
-        if adaptive:
-            # both adaptive policies' NodeAgents stand for one host's: each counts the other's
-            # transfers as our own traffic, not as foreign load that later "yields"
-            other = (self.agent if agent is self.agent_el else self.agent_el,)
-            for leg in legs:
-                leg.others = other
+        # the view the decision is taken from (before our reservation adds to it)
         util_at = [round(float(x), 4) for x in agent.util]
         elastic_at = [round(float(x), 3) for x in agent.elastic] if elastic else None
-        if not elastic:
-            self.stop_probe()
-        # our own transfer in flight, as the connector's executors count it (docs/selector.md)
-        tokens = list(agent.reserve_decision(decision)) if adaptive else []
-        t0 = time.monotonic()
-        for leg in legs:
-            leg.t_start = leg.t_last = t0
-        per_chunk = report == "chunk"
+        ticket = None
+        t_sel = time.monotonic()
+        if engine is not None:
+            # select + reserve_decision (our own transfer in flight, as the connector's executors
+            # count it, docs/selector.md): select_us includes the reservation (a few us)
+            ticket = engine.open("n0", "n2", nbytes)
+        t_sel = time.monotonic() - t_sel
+        decision = ticket.decision if ticket is not None else None
         try:
+            if ticket is not None and decision is None:  # open() swallows selector errors: the lab must not
+                raise RuntimeError(f"{label}: no path decision n0 -> n2 for {nbytes} bytes (selector failed)")
+            legs = self._legs(policy, xid, nbytes, decision)
+            # leg j runs subpath sub_of[j] (_legs skips empty subpaths): its reservation is that one
+            sub_of = [i for i, sp in enumerate(decision.subpaths) if sp.nbytes > 0] if decision is not None else []
+            if adaptive:
+                # both adaptive policies' NodeAgents stand for one host's: each counts the other's
+                # transfers as our own traffic, not as foreign load that later "yields"
+                other = (self.agent if agent is self.agent_el else self.agent_el,)
+                for leg in legs:
+                    leg.others = other
+            if not elastic:
+                self.stop_probe()
+            t0 = time.monotonic()
+            for leg in legs:
+                leg.t_start = leg.t_last = t0
+            per_chunk = report == "chunk"
             while True:
                 now = time.monotonic()
                 if deadline is not None and now > deadline:
@@ -612,9 +632,10 @@ class Sender:
                 for i, leg in enumerate(legs):
                     if not leg.finished or leg.t_end is None:
                         busy |= leg.step(now, agent, per_chunk)
-                    if leg.finished and i < len(tokens) and tokens[i]:
-                        agent.release(tokens[i])
-                        tokens[i] = 0
+                    if leg.finished and ticket is not None:
+                        # the links are free; a leg that takes over bytes again (rebalance) runs
+                        # unreserved, and releasing twice is a no-op (release_leg pops the token)
+                        ticket.release_leg(sub_of[i])
                 if self.probe is not None or elastic:
                     busy |= self.step_probe(now, elastic)
                 if adaptive and len(legs) > 1 and rebalance(legs, now):
@@ -627,13 +648,19 @@ class Sender:
                     break
                 if not busy:
                     time.sleep(POLL_S)
+            t1 = max(l.t_end for l in legs)
+            for i, l in enumerate(legs):
+                secs = max(l.t_end - l.t_start, 1e-6)
+                if ticket is not None:
+                    # the leg's end in the engine's books; with report="leg" its one feedback report
+                    # (relays=0 and the leg's own links, as the per-chunk reports; the bytes it
+                    # delivered, including any it took over from its sibling)
+                    ticket.leg_done(sub_of[i], l.done_bytes, secs, report=report == "leg", links=l.links, relays=0)
+                elif report == "leg" and l.done_bytes:  # a fixed-route policy: no decision, no engine
+                    agent.report_transfer(l.links, l.done_bytes, secs)
         finally:
-            agent.release(tokens)
-        t1 = max(l.t_end for l in legs)
-        if report == "leg":
-            for l in legs:
-                if l.done_bytes:
-                    agent.report_transfer(l.links, l.done_bytes, max(l.t_end - l.t_start, 1e-6))
+            if ticket is not None:
+                ticket.close()  # whatever is still reserved (a failed leg), and the engine's record
         self._tr(time.monotonic(), force=True)
         done = sum(l.done_bytes for l in legs)
         out = {"xid": xid, "policy": label, "nbytes": nbytes, "delivered": done, "complete": done == nbytes,

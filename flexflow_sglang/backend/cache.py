@@ -116,6 +116,7 @@ class FlexFlowRadixCache(RadixCache):
         if connector.page_size != self.page_size:
             raise ValueError(f"connector page size {connector.page_size} != tree page size {self.page_size}")
         self.connector = connector
+        connector.clock = self._sched
         self.write_policy = connector.write_policy
         # PP (issue 17): stage 0 pins the later stages' pages before deciding a host hit (pp_stages)
         self._pp = None
@@ -456,7 +457,9 @@ class FlexFlowRadixCache(RadixCache):
         self.connector.poll()
         self._drain()
         if self._prom is not None:
+            t0 = time.perf_counter()
             self._prom.update(self._prom_metrics())  # throttled inside
+            self._sched.add("metrics_export", time.perf_counter() - t0)
 
     @timed("tick")
     def tick(self) -> None:
@@ -465,7 +468,9 @@ class FlexFlowRadixCache(RadixCache):
         a collective and the tick is the one point every rank reaches in the same order."""
         self.poll()
         if self._prefetch and self.connector is not None and not self.connector.closed:
+            t0 = time.perf_counter()
             self._prefetch_tick()
+            self._sched.add("prefetch_agreement", time.perf_counter() - t0)
 
     def _prom_metrics(self) -> Dict[str, Any]:
         m = self.connector.metrics()

@@ -144,6 +144,9 @@ class FlexFlowConnector:
         self.prefetch_policy = tc.prefetch_policy if self.engine.is_async else "off"
         self._gen = 0  # bumped by clear(): results of jobs started before it are stale
         self._reaping = False
+        #: where settling a finished job reports its time on the owner's thread (the cache sets its
+        #: SchedClock here: `settle_<kind>` shows which kind of job costs the scheduler thread)
+        self.clock = None
         self.executor = TransferExecutor(layout, self.selector, agent, self.device_node, self.host_node,
                                          ttft_sensitive=self.config.selector.ttft_sensitive, engine=self.engine)
 
@@ -482,8 +485,14 @@ class FlexFlowConnector:
         self._spill(evicted)
         k = len(pages)
         if k:
-            for i0, i1, start in contiguous_runs(pages):
-                self.host.words[start:start + (i1 - i0)].copy_(staging[i0:i1])
+            # one copy call, however scattered the free pages are (a torch call per run made this the
+            # scheduler thread's most frequent GIL hand-over while workers ran Python I/O loops)
+            runs = contiguous_runs(pages)
+            if len(runs) == 1:
+                start = runs[0][2]
+                self.host.words[start:start + k].copy_(staging[:k])
+            else:
+                self.host.words.index_copy_(0, torch.as_tensor(pages, dtype=torch.long), staging[:k])
             self.host.commit(keys[:k], pages)
         return k
 
@@ -688,10 +697,13 @@ class FlexFlowConnector:
                     return n
                 for job in jobs:
                     n += 1
+                    t0 = time.perf_counter()
                     try:
                         self._settle(job)
                     except Exception:  # noqa: BLE001 - bookkeeping of one job must not stop the rest
                         logger.exception("flexflow: settling a %s job failed", job.kind)
+                    if self.clock is not None:
+                        self.clock.add("settle_" + job.kind, time.perf_counter() - t0)
         finally:
             self._reaping = False
 

@@ -79,7 +79,8 @@ class KVTier(abc.ABC):
     def stats(self) -> dict:
         """Counters for metrics and logs (pages held, bytes read/written in bytes, hits, misses,
         failures, ...); the connector shows "backend", "path", "capacity_bytes" and "peers" when
-        present. Must not raise for a closed tier."""
+        present. Must not raise for a closed tier, and must not wait for the tier's I/O: the
+        metrics export calls it on SGLang's scheduler thread (snapshot the counters instead)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -769,22 +769,26 @@ class RemoteTier(KVTier):
             return rep[pid].body if pid in rep else None
 
     def stats(self) -> dict:
-        with self.lock:
-            now = time.monotonic()
-            c = {k: (int(v) if k not in ("read_s", "write_s") else v) for k, v in self.c.items()}
-            c.update(
-                name=self.name, node=self.node, backend="nixl-ucx",
-                bytes=int(self.c["bytes_read"] + self.c["bytes_written"]),
-                read_gbps=self.c["bytes_read"] / self.c["read_s"] / 1e9 if self.c["read_s"] else 0.0,
-                write_gbps=self.c["bytes_written"] / self.c["write_s"] / 1e9 if self.c["write_s"] else 0.0,
-                bandwidth_gbps=self.last_bandwidth_gbps,
-                peers={p.addr: dict(p.c, up=p.up(now), connected=p.sock is not None,
-                                    retry_in_s=max(0.0, p.down_until - now), down_reason=p.down_reason,
-                                    node=p.node, bw_gbps=p.bw_gbps, relay=p.relay_cap,
-                                    owner=p.addr in self._addrs) for p in self._peers},
-                peers_up=sum(1 for p in self._peers if p.up(now)), parked_now=len(self._parked),
-                closed=self._closed)
-            return c
+        """A snapshot without `self.lock`: the lock is held for a whole routed get/put (seconds over
+        a slow link) and the metrics export calls this on SGLang's scheduler thread. Counters are
+        copied in one atomic dict copy each; a snapshot may lag a call in progress, never more."""
+        now = time.monotonic()
+        raw = dict(self.c)
+        c = {k: (int(v) if k not in ("read_s", "write_s") else v) for k, v in raw.items()}
+        peers = list(self._peers)
+        c.update(
+            name=self.name, node=self.node, backend="nixl-ucx",
+            bytes=int(raw["bytes_read"] + raw["bytes_written"]),
+            read_gbps=raw["bytes_read"] / raw["read_s"] / 1e9 if raw["read_s"] else 0.0,
+            write_gbps=raw["bytes_written"] / raw["write_s"] / 1e9 if raw["write_s"] else 0.0,
+            bandwidth_gbps=self.last_bandwidth_gbps,
+            peers={p.addr: dict(dict(p.c), up=p.up(now), connected=p.sock is not None,
+                                retry_in_s=max(0.0, p.down_until - now), down_reason=p.down_reason,
+                                node=p.node, bw_gbps=p.bw_gbps, relay=p.relay_cap,
+                                owner=p.addr in self._addrs) for p in peers},
+            peers_up=sum(1 for p in peers if p.up(now)), parked_now=len(self._parked),
+            closed=self._closed)
+        return c
 
     def close(self) -> None:
         with self.lock:

@@ -456,16 +456,20 @@ class StorageTier(KVTier):
 
     # ------------------------------------------------------------------ protocol
     def contains_prefix(self, keys: List[bytes]) -> int:
+        """Leading keys in the index. Without the I/O lock: SGLang's scheduler thread asks this while
+        a worker holds the lock for a whole chunk of file I/O, and it must not wait for the disk.
+        Each membership test is one atomic dict lookup under the GIL; an answer that a concurrent
+        drop makes stale ends as a short read in get_many_into, i.e. a miss, never wrong KV."""
         keys = check_keys(keys)
-        with self._lock:
-            if self._closed:
-                return 0
-            n = 0
-            for k in keys:
-                if self._name(k) not in self._index:
-                    break
-                n += 1
-            return n
+        if self._closed:
+            return 0
+        index, name = self._index, self._name
+        n = 0
+        for k in keys:
+            if name(k) not in index:
+                break
+            n += 1
+        return n
 
     def get_many_into(self, keys: List[bytes], out) -> int:
         keys = check_keys(keys)
@@ -705,22 +709,22 @@ class StorageTier(KVTier):
                     self._drop(nm, corrupt=False)  # read-only: forgotten, the file stays
 
     def stats(self) -> dict:
-        with self._lock:
-            c = dict(self._c)
-            for k, v in c.items():
-                if k not in ("read_s", "write_s"):
-                    c[k] = int(v)
-            c.update(
-                name=self.name, node=self.node, path=self.path,
-                backend=("nixl-" + self._bk.lower()) if self._agent is not None else "os",
-                pages=len(self._index), used_bytes=self._used, capacity_bytes=self.capacity_bytes,
-                read_only=self.read_only, fsync=self.fsync,
-                bytes=int(self._c["bytes_read"] + self._c["bytes_written"]),
-                write_degraded=time.monotonic() < self._degraded_until,
-                read_gbps=(self._c["bytes_read"] / self._c["read_s"] / 1e9) if self._c["read_s"] else 0.0,
-                write_gbps=(self._c["bytes_written"] / self._c["write_s"] / 1e9) if self._c["write_s"] else 0.0,
-                closed=self._closed)
-            return c
+        """A snapshot without the I/O lock (the metrics export runs on SGLang's scheduler thread and
+        must not wait for a worker's disk I/O): counters are copied in one atomic dict copy, so a
+        snapshot may lag a transfer in progress by its own counts, never more."""
+        raw = dict(self._c)
+        c = {k: (int(v) if k not in ("read_s", "write_s") else v) for k, v in raw.items()}
+        c.update(
+            name=self.name, node=self.node, path=self.path,
+            backend=("nixl-" + self._bk.lower()) if self._agent is not None else "os",
+            pages=len(self._index), used_bytes=self._used, capacity_bytes=self.capacity_bytes,
+            read_only=self.read_only, fsync=self.fsync,
+            bytes=int(raw["bytes_read"] + raw["bytes_written"]),
+            write_degraded=time.monotonic() < self._degraded_until,
+            read_gbps=(raw["bytes_read"] / raw["read_s"] / 1e9) if raw["read_s"] else 0.0,
+            write_gbps=(raw["bytes_written"] / raw["write_s"] / 1e9) if raw["write_s"] else 0.0,
+            closed=self._closed)
+        return c
 
     def close(self) -> None:
         with self._lock:

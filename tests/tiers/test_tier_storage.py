@@ -81,6 +81,32 @@ def test_put_get_byte_equal(make, backend):
     assert t.put_many(ks, pg) == 20 and t.stats()["pages_written"] == 20
 
 
+def test_scheduler_thread_calls_never_wait_for_the_io_lock(make):
+    """stats() (the metrics export) and contains_prefix() (match_prefix) run on SGLang's scheduler
+    thread; a worker holds the I/O lock for a whole chunk of file I/O. They must answer anyway."""
+    import threading
+    import time
+    t = make()
+    ks, pg = keys_for(8), pages_for(8)
+    assert t.put_many(ks, pg) == 8
+    held, release = threading.Event(), threading.Event()
+
+    def worker():
+        with t._lock:  # as get_many_into / put_many do around their I/O
+            held.set()
+            release.wait(10)
+    th = threading.Thread(target=worker)
+    th.start()
+    try:
+        assert held.wait(5)
+        t0 = time.monotonic()
+        assert t.contains_prefix(ks) == 8 and t.stats()["pages"] == 8
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        release.set()
+        th.join()
+
+
 def test_torch_tensors(make):
     torch = pytest.importorskip("torch")
     t = make()

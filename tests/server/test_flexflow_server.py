@@ -5,7 +5,8 @@ A plain server with the same server arguments records the baseline with `python 
 flexflow_sglang.tools.verify_outputs --phase baseline`; each flexflow configuration then runs `--phase test`
 (R1 fresh, R2 after /flush_cache) against it:
 page size 1, page size 4 with chunked prefill small enough to split long prompts, TP=2 (gloo, one
-core per rank), and several concurrent clients with a host tier smaller than the working set.
+core per rank), the last two again with layer-wise load-back on, and several concurrent clients with a
+host tier smaller than the working set.
 """
 
 import re
@@ -21,15 +22,20 @@ CASES = {
     "page1": dict(),
     "page4-chunked": dict(page_size=4, chunked_prefill_size=128),
     "tp2": dict(tp_size=2),
+    # layer-wise load-back (issue 15): the forward reads layer i while later layers still load
+    "page4-chunked-layerwise": dict(page_size=4, chunked_prefill_size=128),
+    "tp2-layerwise": dict(tp_size=2),
 }
+LAYERWISE = {"page4-chunked-layerwise", "tp2-layerwise"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_outputs_identical_and_host_hits(case, plain_baselines, tiny_model, start_server, tmp_path):
     # the baseline comes from a plain server with the same page size / chunking / TP
     baseline = plain_baselines(**CASES[case])
+    cfg = write_config(tmp_path, case, **({"host_tier": {"layerwise_load": True}} if case in LAYERWISE else {}))
     srv = start_server(tiny_model, name=f"flexflow-{case}", radix_cache_backend="flexflow",
-                       flexflow_config=write_config(tmp_path, case), max_total_tokens=MAX_TOTAL_TOKENS,
+                       flexflow_config=cfg, max_total_tokens=MAX_TOTAL_TOKENS,
                        extra_args=["--enable-metrics"], **CASES[case])
     report = str(tmp_path / "report.json")
     rc, stdout, stderr, last = verify("--phase", "test", "--url", srv.url, "--prompts", PROMPTS,
@@ -41,6 +47,9 @@ def test_outputs_identical_and_host_hits(case, plain_baselines, tiny_model, star
     loaded = [v for k, v in m.items() if "load" in k and ("tokens" in k or "bytes" in k)]
     assert loaded and max(loaded) > 0, m
     assert "Tree cache initialized" in open(srv.log_path).read()
+    if case in LAYERWISE:  # the host hits really went layer by layer (every rank: summed over tp_rank)
+        assert m.get("flexflow_cache_layerwise_load_backs", 0) > 0, m
+        assert "layer-wise load: on" in open(srv.log_path).read()
 
 
 def test_concurrent_clients_small_host_tier(plain_baseline, tiny_model, start_server, tmp_path):

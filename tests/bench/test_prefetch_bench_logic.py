@@ -14,6 +14,11 @@ def test_config_is_valid_and_names_the_policy(tmp_path):
         assert parsed.host_tier.capacity_tokens == 4096
     with pytest.raises(ValueError, match="prefetch policy"):
         pb.bench_config("/x", 1, "sometimes")
+    nice = config_from_dict(pb.bench_config(str(tmp_path / "kv"), 64, "timeout:nice10"), "<bench>")
+    assert nice.transfer.worker_nice == 10 and nice.transfer.prefetch_policy == "timeout"
+    for bad in ("timeout:nice20", "timeout:fast", "off:nice"):
+        with pytest.raises(ValueError, match="niceN"):
+            pb.parse_mode(bad)
 
 
 def test_prompts_are_deterministic_and_in_vocab():

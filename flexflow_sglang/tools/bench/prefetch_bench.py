@@ -47,15 +47,27 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def bench_config(storage: str, host_tokens: int, policy: str) -> dict:
-    """FLEXFLOW_CONFIG of every server of the run (fill: policy of the first mode)."""
+def parse_mode(mode: str) -> tuple:
+    """'timeout' -> ('timeout', 0); 'timeout:nice10' -> ('timeout', 10) (transfer.worker_nice)."""
+    policy, _, rest = mode.partition(":")
+    nice = 0
+    if rest:
+        if not rest.startswith("nice") or not rest[4:].isdigit() or not 0 <= int(rest[4:]) <= 19:
+            raise ValueError(f"mode {mode!r}: expected POLICY or POLICY:niceN (N in 0..19)")
+        nice = int(rest[4:])
     if policy not in POLICIES:
         raise ValueError(f"prefetch policy must be one of {POLICIES}, got {policy!r}")
+    return policy, nice
+
+
+def bench_config(storage: str, host_tokens: int, mode: str) -> dict:
+    """FLEXFLOW_CONFIG of every server of the run (fill: the first mode's)."""
+    policy, nice = parse_mode(mode)
     return {"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
             "host_tier": {"capacity_tokens": int(host_tokens), "write_policy": "write_through",
                           "pin_memory": "never"},
             "storage_tier": {"enabled": True, "path": storage, "capacity_gb": 8.0, "write_through": True},
-            "transfer": {"prefetch_policy": policy, "load_timeout_ms": 30000.0,
+            "transfer": {"prefetch_policy": policy, "load_timeout_ms": 30000.0, "worker_nice": nice,
                          # generous: the comparison is prefetched vs host hit, not the budget
                          "prefetch_timeout_base_s": 30.0}}
 
@@ -192,7 +204,7 @@ def run(args) -> dict:
     sfx = [suffix(vocab, 10_000 + i, args.suffix_tokens) for i in range(len(prompts))]
     for mode in modes:
         rec: Dict[str, dict] = {}
-        with server(f"mode-{mode}", mode) as srv:
+        with server(f"mode-{mode.replace(':', '-')}", mode) as srv:
             # a fresh server's first forward pays one-time set-up: not part of any phase
             generate(srv.url, input_ids=suffix(vocab, args.seed + 7, 32), max_new_tokens=4, timeout=900)
             rec["deep"] = _phase(srv.url, prompts, sfx, blocker, args)
@@ -244,7 +256,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--out", default="runs/bench-prefetch")
     ap.add_argument("--model", default=None, help="checkpoint dir, or 'smollm2' (default: the kv128k preset)")
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default float32 for the preset, else auto)")
-    ap.add_argument("--modes", default="timeout,off", help=f"prefetch policies to compare, of {POLICIES}")
+    ap.add_argument("--modes", default="timeout,off",
+                    help=f"prefetch policies to compare, of {POLICIES}; POLICY:niceN also sets transfer.worker_nice")
     ap.add_argument("--targets", type=int, default=4)
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--suffix-tokens", type=int, default=16)
@@ -256,9 +269,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
     args.argv = argv
-    bad = [m for m in args.modes.split(",") if m.strip() and m.strip() not in POLICIES]
-    if bad:
-        ap.error(f"--modes: unknown prefetch policy {bad}; valid: {list(POLICIES)}")
+    for m in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            ap.error(f"--modes: {e}")
     for k in ("targets", "prefix_tokens", "suffix_tokens", "blocker_tokens", "host_tokens", "max_total_tokens"):
         if getattr(args, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be > 0, got {getattr(args, k)}")

@@ -120,6 +120,19 @@ def test_ratios_and_targets_come_from_the_same_run():
     assert part == {} and rr.targets(part) == {"udp_fetch_ge_3x": None, "idle_fetch_ge_1x": None}
 
 
+def test_outputs_check_against_the_cached_reference_and_across_modes():
+    fill = {"requests": [{"text": "a"}, {"text": "b"}], "full_prefill": [{"text": "a"}, {"text": "B"}]}
+    modes = {"direct-idle": {"requests": [{"text": "a"}, {"text": "b"}]},
+             "adaptive-udp": {"requests": [{"text": "a"}, {"text": "b"}]}, "direct-udp": {"error": "x"}}
+    o = rr.outputs_check(fill, modes)
+    assert o == {"modes_equal_reference": {"direct-idle": True, "adaptive-udp": True},
+                 "modes_equal_each_other": True, "full_prefill_equal_reference": 1, "prompts": 2}
+    modes["adaptive-udp"]["requests"][1]["text"] = "c"
+    o = rr.outputs_check(fill, modes)
+    assert o["modes_equal_reference"]["adaptive-udp"] is False and o["modes_equal_each_other"] is False
+    assert rr.outputs_check({}, {})["modes_equal_each_other"] is None
+
+
 def test_sizes_texts_and_udp_rate():
     assert rr.host_tokens_for(12, 1536, 16) == 2 * 12 * (1536 + 16 + 64) and rr.host_tokens_for(1, 8, 1) == 4096
     assert rr.words_for(1100) == 1000 and rr.words_for(1) == 8
@@ -137,6 +150,7 @@ def test_sizes_texts_and_udp_rate():
     (["--modes", "adaptive-busy"], "--modes"),
     (["--rate", "fast"], "--rate"),
     (["--prompts", "0"], "--prompts must be positive"),
+    (["--page-size", "0"], "--page-size must be positive"),
     (["--prompt-tokens", "4030"], "cannot hold one request"),
 ])
 def test_bad_arguments_are_usage_errors(argv, msg, capsys, monkeypatch):

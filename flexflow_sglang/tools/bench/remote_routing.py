@@ -1,6 +1,6 @@
 """`flexflow bench remote-routing`: remote-tier routing on the serving path (root: namespaces + tc)
 
-Three namespaces joined pairwise by veth pairs capped with tbf (default 300 Mbit/s each):
+Three namespaces joined pairwise by veth pairs capped with tbf (default 200 Mbit/s each):
 
   n0  a real SGLang server (--radix-cache-backend flexflow), one fresh server per mode
   n1  a relay-only `flexflow tier-server` (--node n1 --relay-peers n2=<n2 as seen from n1>)
@@ -10,8 +10,8 @@ The server's FLEXFLOW_CONFIG names a topology file with the nodes n0, n1, n2 (n0
 node next to the device pool gpu0) and the two n0 links with their veth counters (monitor.source:
 sysfs), so the connector's remote tier is routed from n0 (connector._route_remote_tiers).
 
-Phase 1 (fill): a server runs every prompt once (greedy); its outputs are the reference and its KV
-is written through to the owner n2. Phase 2, per mode, in one run: a fresh server (empty device
+Phase 1 (fill): a server runs every prompt twice (greedy; the second run's output is the reference)
+and writes its KV through to the owner n2. Phase 2, per mode, in one run: a fresh server (empty device
 pool and host tier, no storage tier: the prompts' KV is only in n2) serves the same requests one
 at a time; `transfer.prefetch_policy: wait_complete` holds each request until its deep pages are
 fetched, so the remote fetch is on the TTFT's critical path. Modes: {adaptive, direct} x {idle, udp}:
@@ -22,7 +22,19 @@ direction of a get) for the whole mode. Reported per mode: median TTFT, the remo
 seconds / bytes / routes (its /metrics counters), outputs vs the reference; ratios direct/adaptive
 per load (targets: udp >= 3x, idle >= 1x). Writes remote_routing.json and remote_routing.png into --out.
 
-    sudo flexflow bench remote-routing [--out DIR] [--model smollm2] [--rate 300mbit] [--udp-share 0.85]
+Outputs are compared with the fill's second run of each prompt, a hit in SGLang's own prefix cache
+(cached prefix + last tokens prefilled, as in every measured request), and across modes; the fill's
+first run (full prefill) can differ from both in bf16 and is reported, not required. Fetch time is
+the remote tier's `read_s` (transfer legs; the client's page checks come after it): the TTFT holds
+the rest. Page size: the client checks one CRC per page on an engine worker, one zlib call per
+page; each call waits for the GIL behind SGLang's busy scheduler thread, so with SGLang's default
+1-token pages a 1.5k-token prompt costs 4-7 s of checks (measured, 35 MB at 300 Mbit/s: ~1 s of
+transfer). --page-size 16 (the default here) cuts the calls 16x. Link rate: a relayed leg is driven
+chunk by chunk by Python on an engine worker, which shares the GIL and 2 cores with SGLang's busy
+scheduler: measured 115-175 Mbit/s in serving at 300 Mbit/s links (230 Mbit/s for the same tier
+calls outside SGLang), so the default links are 200 Mbit/s, where the link, not the CPU, limits.
+
+    sudo flexflow bench remote-routing [--out DIR] [--model smollm2] [--rate 200mbit] [--udp-share 0.85]
                                        [--prompts 12] [--prompt-tokens 1536] [--modes ...]
 """
 
@@ -166,6 +178,20 @@ def targets(rat: Dict[str, dict], udp_target: float = 3.0, idle_target: float = 
     return {"udp_fetch_ge_3x": met("udp", udp_target), "idle_fetch_ge_1x": met("idle", idle_target)}
 
 
+def outputs_check(fill: dict, modes: Dict[str, dict]) -> dict:
+    """Greedy outputs: every mode vs the reference (the fill's prefix-cache-hit run, what
+    mode_summary compared), the modes among themselves (the same bytes fetched by another route
+    must give the same text), and how many prompts the fill's full prefill answered the same."""
+    ref = [r.get("text") for r in fill.get("requests", [])]
+    full = [r.get("text") for r in fill.get("full_prefill", [])]
+    texts = {m: [r.get("text") for r in v.get("requests", [])] for m, v in modes.items() if v.get("requests")}
+    same = len({tuple(t) for t in texts.values()}) == 1 if texts else None
+    return {"modes_equal_reference": {m: t == ref for m, t in texts.items()},
+            "modes_equal_each_other": same,
+            "full_prefill_equal_reference": sum(a == b for a, b in zip(full, ref)) if full else None,
+            "prompts": len(ref)}
+
+
 def udp_bps(rate: str, share: float) -> float:
     from .contention.netlab import rate_bps
     return rate_bps(rate) * share
@@ -252,7 +278,7 @@ def run_inside(args) -> int:
     sink.bind(("0.0.0.0", UDP_PORT))
     server = SGLangServer(args.model, os.path.join(args.workdir, f"server-{args.mode}.log"),
                           radix_cache_backend="flexflow", flexflow_config=args.config,
-                          max_total_tokens=args.max_total_tokens, max_running_requests=4,
+                          max_total_tokens=args.max_total_tokens, max_running_requests=4, page_size=args.page_size,
                           extra_args=["--enable-metrics", "--dtype", args.dtype], timeout=args.start_timeout)
     res = {"mode": args.mode, "config": args.config}
     server.start()
@@ -262,8 +288,13 @@ def run_inside(args) -> int:
         before = _fresh_metrics(url, _aux_text(args.mode, "flush before"))
         # n0's veths (NetLab.dev names for nodes [n0, n1, n2]): what the links carried meanwhile
         rx0, t0 = {d: _rx_bytes(d) for d in ("v01", "v02")}, time.monotonic()
-        reqs = []
+        reqs, full = [], []
         for i, text in enumerate(prompts):
+            if args.mode == "fill":
+                # the reference is the prompt's second run, a hit in SGLang's own prefix cache: the
+                # same compute shape as a measured request (cached prefix + the last tokens
+                # prefilled); the first run (full prefill) is kept to show where they differ (bf16)
+                full.append(stream_request(url, text, args.new_tokens))
             r = stream_request(url, text, args.new_tokens)
             reqs.append(r)
             print(f"[{args.mode}] request {i}: ttft {r['ttft_s']} s, cached {r['cached_tokens']}/{r['prompt_tokens']}",
@@ -276,7 +307,7 @@ def run_inside(args) -> int:
         # the backend's longest hooks on the scheduler thread (did any of them hold the requests?)
         res["sched_max_ms"] = {k[len("flexflow_cache_sched_"):-len("_max_ms")]: v for k, v in after.items()
                                if k.startswith("flexflow_cache_sched_") and k.endswith("_max_ms")}
-        res.update(requests=reqs, delta=delta, window_s=round(window, 3),
+        res.update(requests=reqs, delta=delta, window_s=round(window, 3), **({"full_prefill": full} if full else {}),
                    rx_mbit_s={d: round(8 * b / window / 1e6, 1) for d, b in rx.items()})
         if args.mode != "fill":
             res["summary"] = mode_summary(reqs, delta, reference)
@@ -311,7 +342,7 @@ def plot(result: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.legend(fontsize=8)
     fig.suptitle(f"{result['model_name']}, links {result['rate']}, {result['prompts']} prompts x "
-                 f"~{result['prompt_tokens']} tokens", fontsize=9)
+                 f"~{result['prompt_tokens']} tokens, page size {result.get('page_size', 1)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -336,6 +367,7 @@ def _run_mode(lab, mode: str, args, env: dict, config: str, prompts: str, refere
     cmd = [sys.executable, "-m", "flexflow_sglang.tools.bench.remote_routing", "--inside", "--mode", mode,
            "--config", config, "--prompts-file", prompts, "--result", result, "--workdir", args.out,
            "--model", args.model_dir, "--dtype", args.dtype, "--new-tokens", str(args.new_tokens),
+           "--page-size", str(args.page_size),
            "--max-total-tokens", str(args.max_total_tokens), "--start-timeout", str(args.start_timeout)]
     if reference:
         cmd += ["--reference", reference]
@@ -390,7 +422,8 @@ def run_driver(args) -> int:
     out = {"command": "flexflow bench remote-routing " + " ".join(args.argv), "commit": _commit(),
            "model": args.model_dir, "model_name": model_name, "dtype": args.dtype, "kv_bytes_per_token": kvpt,
            "rate": args.rate, "udp_share": args.udp_share, "prompts": args.prompts,
-           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "modes": {}}
+           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "page_size": args.page_size,
+           "page_bytes": kvpt * args.page_size, "modes": {}}
     env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_WARN_UNUSED_ENV_VARS": "n",
            "PYTHONUNBUFFERED": "1"}
     host_tokens = host_tokens_for(args.prompts, args.prompt_tokens, args.new_tokens)
@@ -434,6 +467,7 @@ def run_driver(args) -> int:
                 continue
             out["modes"][mode] = _run_mode(lab, mode, args, env, configs[(mode.split("-")[0], "measure")],
                                            prompts, reference)
+    out["outputs"] = outputs_check(out.get("fill") or {}, out["modes"])
     out["ratios"] = ratios(out["modes"])
     out["targets"] = targets(out["ratios"])
     with open(os.path.join(args.out, "remote_routing.json"), "w") as f:
@@ -447,7 +481,8 @@ def run_driver(args) -> int:
 
 
 def print_table(out: dict) -> None:
-    print(f"model {out['model_name']}, {out['kv_bytes_per_token']} B KV/token, links {out['rate']}, "
+    print(f"model {out['model_name']}, {out['kv_bytes_per_token']} B KV/token, page size {out.get('page_size')}, "
+          f"links {out['rate']}, "
           f"UDP {out['udp_share']:.0%} n2->n0, commit {out['commit']}")
     print(f"{'mode':14} {'TTFT med s':>10} {'fetch s':>8} {'fetch MB':>9} {'Gbit/s':>7} {'routes d/r/s':>13} "
           f"{'v02 rx Mb/s':>11} {'outputs':>8}")
@@ -463,6 +498,7 @@ def print_table(out: dict) -> None:
     for load, r in out["ratios"].items():
         print(f"direct/adaptive, {load}: fetch {r['fetch']}x, median TTFT {r['ttft_median']}x, "
               f"bytes equal {r['bytes_equal']}")
+    print("outputs:", out.get("outputs"))
     print("targets:", out["targets"])
 
 
@@ -473,14 +509,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--model", default="smollm2", help="'smollm2' (the real SmolLM2-135M-Instruct, default), a "
                                                       "checkpoint dir, or 'kv128k' for the 128 KB/token preset")
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for kv128k, else auto)")
-    ap.add_argument("--rate", default="300mbit",
-                    help="tbf cap of every link (n0-n1, n0-n2, n1-n2). Default 300mbit: on a 2-core machine a relay "
-                         "at 1gbit is CPU-bound (two UCX-over-TCP hops, CRCs, the UDP sender), not link-bound")
+    ap.add_argument("--rate", default="200mbit",
+                    help="tbf cap of every link (n0-n1, n0-n2, n1-n2). Default 200mbit: on a 2-core machine the "
+                         "serving process's relay legs are CPU-bound near 120-170 Mbit/s (see the docstring)")
     ap.add_argument("--udp-share", type=float, default=0.85, help="UDP on n2->n0 as a share of the cap (udp modes)")
     ap.add_argument("--modes", default=DEFAULT_MODES, help=f"POLICY-LOAD list, policies {POLICIES}, loads {LOADS}")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=1536)
     ap.add_argument("--new-tokens", type=int, default=16, help="greedy tokens per request (outputs compared)")
+    ap.add_argument("--page-size", type=int, default=16,
+                    help="SGLang --page-size (tokens per KV page, one remote-tier key each). Default 16: with "
+                         "1-token pages the client-side checks of a fetch cost more than the transfer (see the docstring)")
     ap.add_argument("--max-total-tokens", type=int, default=4096)
     ap.add_argument("--timeout-ms", type=float, default=120000.0,
                     help="remote_tier.timeout_ms and transfer.load_timeout_ms: a slow fetch is waited for")
@@ -510,7 +549,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def validate(args) -> List[str]:
     """Argument errors (empty: fine)."""
     errs = []
-    for k in ("prompt_tokens", "new_tokens", "max_total_tokens", "timeout_ms", "tier_capacity_gb"):
+    for k in ("prompt_tokens", "new_tokens", "max_total_tokens", "timeout_ms", "tier_capacity_gb", "page_size"):
         if getattr(args, k) <= 0:
             errs.append(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     if not args.inside and args.prompts <= 0:

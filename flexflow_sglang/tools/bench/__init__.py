@@ -1,6 +1,6 @@
 """Benchmarks (`flexflow bench ...`): shared helpers."""
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 
 def nearest_rank(xs: Sequence[float], q: float, empty: Optional[float] = None) -> Optional[float]:
@@ -49,3 +49,28 @@ def resolve_model(spec: Optional[str], workdir: str, preset: str) -> tuple:
         from flexflow_sglang.tools.cpu_support.real_model import make_real_model
         return make_real_model("smollm2"), SMOLLM2_NAME
     return spec, os.path.basename(os.path.abspath(spec))
+
+
+def measured_commit() -> str:
+    """The measured commit (`+dirty` with uncommitted changes), or "unknown" outside a checkout."""
+    import os
+
+    from .refresh import RefreshError, current_commit
+    try:
+        return current_commit(os.path.dirname(os.path.abspath(__file__)))
+    except RefreshError:
+        return "unknown"
+
+
+def save_result(out_dir: str, name: str, result: dict, plot: Callable[[dict, str], None], bench: str) -> None:
+    """`name`.json into out_dir, then `name`.png from `plot(result, path)`; a failing plot is reported
+    on stderr and does not fail the benchmark (the JSON is the result)."""
+    import json
+    import os
+    import sys
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        plot(result, os.path.join(out_dir, f"{name}.png"))
+    except Exception as e:  # noqa: BLE001 - the JSON is the result
+        print(f"bench {bench}: plot failed: {e}", file=sys.stderr)

@@ -25,16 +25,7 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
-from . import kv_bytes_per_token_of, resolve_model
-
-
-def _git_commit() -> str:
-    """The measured commit (`+dirty` with uncommitted changes), or "unknown" outside a checkout."""
-    from .refresh import RefreshError, current_commit
-    try:
-        return current_commit(os.path.dirname(os.path.abspath(__file__)))
-    except RefreshError:
-        return "unknown"
+from . import kv_bytes_per_token_of, measured_commit, resolve_model
 
 
 def _config(path: str, layerwise: str, capacity_gb: float) -> str:
@@ -147,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.vocab = min(int(json.load(f)["vocab_size"]), 32000)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, args.vocab) for _ in range(args.prefix_tokens)] for _ in range(args.families)]
-    commit = _git_commit()
+    commit = measured_commit()
     runs = []
     total = 2 * args.rounds * args.families * args.repeats
     with tqdm(total=total, desc="layerwise bench", unit="hit") as bar:

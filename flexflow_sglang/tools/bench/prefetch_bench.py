@@ -34,17 +34,9 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from . import kv_bytes_per_token_of, resolve_model
+from . import kv_bytes_per_token_of, measured_commit, resolve_model, save_result
 
 POLICIES = ("best_effort", "wait_complete", "timeout", "off")
-
-
-def _git_commit() -> str:
-    from .refresh import RefreshError, current_commit
-    try:
-        return current_commit(os.path.dirname(os.path.abspath(__file__)))
-    except RefreshError:
-        return "unknown"
 
 
 def parse_mode(mode: str) -> tuple:
@@ -177,7 +169,7 @@ def run(args) -> dict:
     prompts = make_prompts(args.targets, args.prefix_tokens, vocab, args.seed)
     blocker = suffix(vocab, args.seed + 999, 32)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    res = {"command": "flexflow bench prefetch " + " ".join(args.argv), "commit": _git_commit(), "model": model,
+    res = {"command": "flexflow bench prefetch " + " ".join(args.argv), "commit": measured_commit(), "model": model,
            "model_name": model_name, "dtype": dtype, "kv_bytes_per_token": kv_bytes_per_token_of(model, dtype),
            "targets": args.targets, "prefix_tokens": args.prefix_tokens, "blocker_tokens": args.blocker_tokens,
            "modes": {}}
@@ -278,12 +270,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(args, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be > 0, got {getattr(args, k)}")
     res = run(args)
-    with open(os.path.join(args.out, "prefetch.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    try:
-        plot(res, os.path.join(args.out, "prefetch.png"))
-    except Exception as e:  # noqa: BLE001 - the JSON is the result
-        print(f"bench prefetch: plot failed: {e}", file=sys.stderr)
+    save_result(args.out, "prefetch", res, plot, "prefetch")
     print(f"model {res['model_name']}, {(res['kv_bytes_per_token'] or 0) // 1024} KB KV/token, "
           f"{res['targets']} targets x {res['prefix_tokens']} tokens, commit {res['commit']}")
     print(f"{'policy':14} {'deep TTFT ms':>13} {'host TTFT ms':>13} {'deep/host':>10} {'after slot':>11} "

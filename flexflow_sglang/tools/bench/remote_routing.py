@@ -389,17 +389,13 @@ def _run_mode(lab, mode: str, args, env: dict, config: str, prompts: str, refere
         return json.load(f)
 
 
-def _commit() -> str:
-    from .stall import _commit as c
-    return c()
-
-
 def run_driver(args) -> int:
     import yaml
     from tqdm import tqdm
 
     from flexflow_sglang.tiers.base import load_nixl
-    from . import kv_bytes_per_token_of, resolve_model
+    from . import kv_bytes_per_token_of, resolve_model, save_result
+    from .stall import _commit
     from .contention import netlab
     ok, why = netlab.available()
     if not ok:
@@ -470,12 +466,7 @@ def run_driver(args) -> int:
     out["outputs"] = outputs_check(out.get("fill") or {}, out["modes"])
     out["ratios"] = ratios(out["modes"])
     out["targets"] = targets(out["ratios"])
-    with open(os.path.join(args.out, "remote_routing.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    try:
-        plot(out, os.path.join(args.out, "remote_routing.png"))
-    except Exception as e:  # noqa: BLE001 - the JSON is the result
-        print(f"bench remote-routing: plot failed: {e}", file=sys.stderr)
+    save_result(args.out, "remote_routing", out, plot, "remote-routing")
     print_table(out)
     return 0 if fill and "error" not in fill else 1
 

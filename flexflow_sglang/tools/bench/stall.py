@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from . import nearest_rank
+from . import nearest_rank, save_result
 
 MODES = ("off", "async", "sync")
 TIER_PORT = 7400
@@ -273,12 +273,7 @@ def run_driver(args) -> int:
             with open(result) as f:
                 out["modes"][mode] = json.load(f)
     out["ratios"] = ratios(out["modes"])
-    with open(os.path.join(args.out, "stall.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    try:
-        plot(out, os.path.join(args.out, "stall.png"))
-    except Exception as e:  # noqa: BLE001 - the JSON is the result
-        print(f"bench stall: plot failed: {e}", file=sys.stderr)
+    save_result(args.out, "stall", out, plot, "stall")
     print(f"model {out['model_name']}, {kvpt // 1024} KB KV/token, link {args.rate}, commit {out['commit']}")
     print(f"{'mode':8} {'ITL p50 ms':>11} {'ITL p99 ms':>11} {'p99 vs off':>11} {'bg requests':>12}")
     for m in modes:

@@ -71,14 +71,9 @@ class Ticket:
         """Release subpath `index`'s reservation and report its bytes/seconds (never raises).
         `links` / `relays` override the subpath's (a leg that ran another route than planned)."""
         eng = self.engine
-        tok = self.tokens.pop(index, 0)
+        self.release_leg(index)
         subs = self.subpaths
         sub = subs[index] if 0 <= index < len(subs) else None
-        try:
-            if tok:
-                eng.agent.release([tok])
-        except Exception as e:  # noqa: BLE001 - bookkeeping must never fail a move
-            logger.debug("flexflow transfer: release failed: %r", e)
         lk = links if links is not None else (sub.links if sub is not None else ())
         if report and nbytes > 0 and lk:
             rl = relays if relays is not None else (0 if sub is None or sub.type.value == "Direct" else 1)
@@ -105,7 +100,7 @@ class Ticket:
 
     def release_leg(self, index: int) -> None:
         """End subpath `index`'s reservation without reporting (its bytes were reported elsewhere,
-        e.g. per chunk, or the leg was never run)."""
+        e.g. per chunk, or the leg was never run); leg_done and reroute release through here."""
         tok = self.tokens.pop(index, 0)
         if tok:
             try:
@@ -117,10 +112,8 @@ class Ticket:
         """Subpath `index` runs over other links than planned (a relay that fell back to direct):
         move its reservation there, for the decision's estimated time."""
         eng = self.engine
-        tok = self.tokens.pop(index, 0)
+        self.release_leg(index)
         try:
-            if tok:
-                eng.agent.release([tok])
             if links and nbytes > 0:
                 est = float(self.decision.estimated_time_us) * 1e-6 if self.decision is not None else None
                 new = eng.agent.reserve(tuple(links), int(nbytes), est)

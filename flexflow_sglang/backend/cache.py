@@ -457,9 +457,7 @@ class FlexFlowRadixCache(RadixCache):
         self.connector.poll()
         self._drain()
         if self._prom is not None:
-            t0 = time.perf_counter()
-            self._prom.update(self._prom_metrics())  # throttled inside
-            self._sched.add("metrics_export", time.perf_counter() - t0)
+            self._export_metrics()
 
     @timed("tick")
     def tick(self) -> None:
@@ -468,9 +466,11 @@ class FlexFlowRadixCache(RadixCache):
         a collective and the tick is the one point every rank reaches in the same order."""
         self.poll()
         if self._prefetch and self.connector is not None and not self.connector.closed:
-            t0 = time.perf_counter()
             self._prefetch_tick()
-            self._sched.add("prefetch_agreement", time.perf_counter() - t0)
+
+    @timed("metrics_export")
+    def _export_metrics(self) -> None:
+        self._prom.update(self._prom_metrics())  # throttled inside
 
     def _prom_metrics(self) -> Dict[str, Any]:
         m = self.connector.metrics()
@@ -559,6 +559,7 @@ class FlexFlowRadixCache(RadixCache):
             tc.prefetch_timeout_per_ki_token_s * (total - start) * ps / 1024.0
         self._m["prefetches_issued"] += 1
 
+    @timed("prefetch_agreement")
     def _prefetch_tick(self) -> None:
         """Per scheduler tick (after the connector settled finished jobs): a pending request
         becomes ready when its prefetch ended or (timeout policy) its budget ran out, MIN-agreed

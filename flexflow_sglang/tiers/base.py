@@ -161,6 +161,8 @@ _pool_lock = threading.Lock()
 
 
 def page_checksum(buf) -> int:
+    if isinstance(buf, np.ndarray) and not buf.flags.c_contiguous:
+        buf = np.ascontiguousarray(buf)  # a strided view: CRC32 is over the bytes in order
     return zlib.crc32(memoryview(buf).cast("B")) & 0xFFFFFFFF
 
 
@@ -173,11 +175,54 @@ def _get_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+_native_crc: Optional[Tuple[Any, int]] = None   # (the compiled module, zlib's crc32 address), or (None, 0)
+
+
+def _native_crc32() -> Tuple[Any, int]:
+    """The compiled many-rows CRC32 and the address of zlib's crc32, once; (None, 0) without them.
+    Checked against zlib.crc32 on a known buffer before it is trusted (a foreign libz with another
+    signature would otherwise corrupt every checksum silently)."""
+    global _native_crc
+    if _native_crc is not None:
+        return _native_crc
+    found: Tuple[Any, int] = (None, 0)
+    try:
+        import ctypes
+        import ctypes.util
+        from .. import _copy_kernels as ck
+        libz = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
+        addr = ctypes.cast(libz.crc32, ctypes.c_void_p).value or 0
+        probe = np.frombuffer(bytes(range(256)) * 67, dtype=np.uint8).reshape(2, -1).copy()
+        out = np.zeros(2, dtype=np.int64)
+        ck.crc32_rows(addr, probe.ctypes.data, probe.strides[0], probe.shape[1],
+                      np.arange(2, dtype=np.int64), out)
+        if [int(v) & 0xFFFFFFFF for v in out] == [page_checksum(probe[0]), page_checksum(probe[1])]:
+            found = (ck, addr)
+        else:  # pragma: no cover - a libz that disagrees with Python's zlib
+            log.warning("native CRC32 disagrees with zlib.crc32; tier checksums use zlib per page")
+    except (ImportError, OSError, AttributeError, ValueError) as e:
+        log.info("native CRC32 unavailable (%s); tier checksums use zlib per page", e)
+    _native_crc = found
+    return found
+
+
 def page_checksums(pages: np.ndarray, n: int, rows: Optional[Sequence[int]] = None) -> List[int]:
-    """CRC32 of rows 0..n-1 (or of `rows`) of a 2-D uint8 array, several rows in parallel."""
+    """CRC32 of rows 0..n-1 (or of `rows`) of a 2-D uint8 array.
+
+    One compiled call for all rows (the GIL is released once, not once per page), several rows in
+    parallel for large pages; zlib per page, in a thread pool, where the kernel is not built."""
     rows = range(n) if rows is None else rows
     if len(rows) == 0:
         return []
+    ck, addr = _native_crc32()
+    if ck is not None and pages.ndim == 2 and pages.dtype == np.uint8 and pages.strides[1] == 1:
+        idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
+        if idx.min() < 0 or idx.max() >= pages.shape[0]:
+            raise IndexError(f"page_checksums: row out of range 0..{pages.shape[0] - 1}")
+        out = np.empty(len(idx), dtype=np.int64)
+        threads = 1 if pages.shape[1] < _PAR_MIN_BYTES else max(1, min(4, os.cpu_count() or 1))
+        ck.crc32_rows(addr, pages.ctypes.data, pages.strides[0], pages.shape[1], idx, out, threads)
+        return [int(v) & 0xFFFFFFFF for v in out]
     if len(rows) == 1 or pages.shape[1] < _PAR_MIN_BYTES or (os.cpu_count() or 1) < 2:
         return [page_checksum(pages[i]) for i in rows]
     return list(_get_pool().map(lambda i: page_checksum(pages[i]), rows))

@@ -3,9 +3,9 @@ here (engine.TransferEngine), and deep-tier moves run as background jobs off SGL
 thread (jobs.Job). See docs/architecture.md, "The transfer engine"."""
 
 from .engine import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_BYTES, Ticket, TransferEngine
-from .jobs import PRIORITY, Job, JobState, MoveStats
+from .jobs import PRIORITY, WRITE_BACK, Job, JobState, MoveStats
 
-__all__ = ["TransferEngine", "Ticket", "Job", "JobState", "MoveStats", "PRIORITY", "DEFAULT_CHUNK_BYTES",
+__all__ = ["TransferEngine", "Ticket", "Job", "JobState", "MoveStats", "PRIORITY", "WRITE_BACK", "DEFAULT_CHUNK_BYTES",
            "DEFAULT_QUEUE_BYTES", "engine_from_config"]
 
 

@@ -14,7 +14,9 @@ releases the rest. Bookkeeping never fails a move: a failed select runs the move
 failed reservation runs it unreserved.
 
 Background jobs (`submit` / `poll`): a bounded priority queue (fetch, prefetch, spill,
-write-through) served by `workers` daemon threads. The bound is in bytes (`queue_bytes`, the
+write-through) served by `workers` daemon threads. Write-back jobs (spill, write-through) run on at
+most `workers - 1` of them, so a fetch or prefetch (a request waits on it) never queues behind a
+write-back backlog on a slow link: priority orders the queue, the reserved worker orders the lanes. The bound is in bytes (`queue_bytes`, the
 staging and copies queued and running jobs hold); a job that does not fit is refused (`submit`
 returns False, counted as dropped) - never a wait. Finished jobs are collected by `poll()` on the
 owner's thread. `mode="sync"` runs every job inline in `submit` (the ablation: today's
@@ -31,7 +33,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from .jobs import PRIORITY, Job, JobState, MoveStats
+from .jobs import PRIORITY, WRITE_BACK, Job, JobState, MoveStats
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +169,9 @@ class TransferEngine:
         self._seq = itertools.count()
         self._held = 0            # bytes held by queued + running jobs
         self._running = 0
+        self._running_wb = 0      # running write-back jobs (WRITE_BACK kinds)
+        # write-backs may occupy every worker but one: that one is kept for fetch / prefetch
+        self.writeback_limit = max(1, self.n_workers - 1)
         self._finished: List[Job] = []
         self._threads: List[threading.Thread] = []
         self._closed = False
@@ -324,21 +329,32 @@ class TransferEngine:
         except OSError as e:
             logger.debug("flexflow transfer: cannot lower worker priority: %r", e)
 
+    def _runnable(self) -> bool:
+        """The queue's first job may start now: a fetch / prefetch always (it sorts first), a
+        write-back only while fewer than writeback_limit write-backs run."""
+        return bool(self._heap) and (self._heap[0][2].kind not in WRITE_BACK
+                                     or self._running_wb < self.writeback_limit)
+
     def _work(self) -> None:
         self._lower_priority()
         while True:
             with self._cv:
-                while not self._heap and not self._closed:
+                while not self._runnable() and not self._closed:
                     self._cv.wait()
                 if not self._heap:
                     return
+                if not self._runnable():  # closing: the queue is cancelled by close(); nothing to run
+                    return
                 _, _, job = heapq.heappop(self._heap)
+                wb = job.kind in WRITE_BACK
                 self._running += 1
+                self._running_wb += wb
             try:
                 self._execute(job)
             finally:
                 with self._cv:
                     self._running -= 1
+                    self._running_wb -= wb
                     self._held -= job.nbytes
                     self._finished.append(job)
                     self._cv.notify_all()
@@ -425,5 +441,6 @@ class TransferEngine:
     def stats(self) -> Dict[str, Any]:
         with self._cv:
             queued, held, running = len(self._heap), self._held, self._running
-        return dict(self.c, mode=self.mode, workers=len(self._threads), queued=queued, running=running,
+        return dict(self.c, mode=self.mode, workers=len(self._threads), writeback_limit=self.writeback_limit,
+                    queued=queued, running=running,
                     held_bytes=held, queue_bytes=self.queue_bytes, by_kind={k: dict(v) for k, v in self.c_kind.items()})

@@ -18,6 +18,8 @@ from typing import Any, Callable, List, Optional, Tuple
 #: job kinds, in priority order (lower runs first): a fetch blocks a load-back, a prefetch a queued
 #: request; write-back copies only cost a future hit when late
 PRIORITY = {"fetch": 0, "prefetch": 1, "spill": 2, "write_through": 3}
+#: background copies: they never take the engine's last free worker (engine.writeback_limit)
+WRITE_BACK = frozenset({"spill", "write_through"})
 
 
 class JobState(str, Enum):

@@ -89,6 +89,23 @@ def test_jobs_run_off_thread_in_priority_order(eng):
     assert threading.current_thread() not in threads
 
 
+def test_write_backs_never_take_the_last_worker(eng):
+    """Two workers, a write-back backlog on a slow link: the write-backs run one at a time and a
+    prefetch queued after them starts while they are still blocked (the reserved worker)."""
+    assert eng.n_workers == 2 and eng.writeback_limit == 1
+    gate = threading.Event()
+    started = []
+    for i in range(3):
+        assert eng.submit(Job("write_through", (lambda i: lambda j: started.append(i) or gate.wait(10))(i)))
+    ran = threading.Event()
+    assert eng.submit(Job("prefetch", lambda j: ran.set()))
+    assert ran.wait(5), "the prefetch waited behind the write-back backlog"
+    assert started == [0] and eng.stats()["running"] == 1  # the other write-backs still queued
+    gate.set()
+    assert eng.drain(10)
+    assert sorted(started) == [0, 1, 2] and len(eng.poll()) == 4
+
+
 def test_full_queue_drops_never_blocks(eng):
     gate = threading.Event()
     big = Job("write_through", lambda j: gate.wait(5), nbytes=900 << 10)

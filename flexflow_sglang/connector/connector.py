@@ -174,7 +174,12 @@ class FlexFlowConnector:
             "pages_spilled", "spill_failures", "checksum_failures", "stores_cancelled", "pages_written_through",
             "write_through_failures", "write_through_dropped", "spills_dropped", "pages_spill_dropped",
             "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
-            "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper")}
+            "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper",
+            "write_through_copied", "store_pages_short")}
+        # host pages pinned by queued / running write-through jobs, at most a quarter of the tier: the
+        # rest of a backlog copies its rows out, so stores always find pages to take
+        self._wt_pinned = 0
+        self._wt_pin_budget = max(1, cap_pages // 4)
         self._hits_by_tier: Dict[str, int] = {"host": 0}
         logger.info("flexflow: config %s; topology %s; selector core %s; host tier %d pages (%.1f MiB%s) on %s, "
                     "policy %s, checksums %s; deeper tiers %s; device node %s; %s",
@@ -521,6 +526,7 @@ class FlexFlowConnector:
         self._spill(evicted)
         complete = len(pages) == len(mkeys)
         if not complete:  # the tier is full of protected pages: store what fits, in key order
+            self._m["store_pages_short"] += len(mkeys) - len(pages)
             mkeys, missing = mkeys[:len(pages)], missing[:len(pages)]
         idx = torch.as_tensor(missing, dtype=torch.long, device=dev_pages.device)
         h._work = (mkeys, pages, dev_pages.index_select(0, idx), complete)
@@ -562,16 +568,33 @@ class FlexFlowConnector:
         if not tiers:
             return
         keys, pages = list(keys), list(pages)
-        self.host.pin(pages)  # the job reads them: no eviction or reuse until it is reaped
-        job = Job("write_through", self._write_through_run, nbytes=len(pages) * self.layout.page_nbytes,
-                  ctx=(keys, pages, tiers))
+        nbytes = len(pages) * self.layout.page_nbytes
+        if self._wt_pinned + len(pages) <= self._wt_pin_budget:
+            # zero copy: the job reads the host pages, pinned (no eviction or reuse) until it is reaped
+            self.host.pin(pages)
+            self._wt_pinned += len(pages)
+            job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, pages, tiers, None))
+        else:
+            # a backlog (a slow remote link) already pins its share of the host tier: pinning more
+            # would leave new stores no page to take (their KV then stays device-only and is lost
+            # at eviction). Copy the rows out now instead; the host pages stay evictable.
+            if not self.engine.fits(nbytes):
+                self._m["write_through_dropped"] += 1
+                return
+            rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long))
+            self._m["write_through_copied"] += 1
+            job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, [], tiers, rows))
         if not self._submit(job):
-            self.host.unpin(pages)
+            if job.ctx[1]:
+                self.host.unpin(pages)
+                self._wt_pinned -= len(pages)
             self._m["write_through_dropped"] += 1
 
     def _write_through_run(self, job: Job):
-        keys, pages, tiers = job.ctx
-        rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long)).view(torch.uint8)
+        keys, pages, tiers, rows = job.ctx
+        if rows is None:
+            rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long))
+        rows = rows.view(torch.uint8)
         out = {}
         for tier in tiers:
             try:
@@ -710,8 +733,10 @@ class FlexFlowConnector:
     def _settle(self, job: Job) -> None:
         ok = job.state == JobState.DONE
         if job.kind == "write_through":
-            keys, pages, _ = job.ctx
-            self.host.unpin(pages)
+            keys, pages, _, _ = job.ctx
+            if pages:
+                self.host.unpin(pages)
+                self._wt_pinned -= len(pages)
             res = job.result if ok else None
             if not res:
                 self._m["write_through_failures"] += 0 if job.state == JobState.CANCELLED else 1

@@ -63,37 +63,63 @@ def conns():
 def test_write_through_runs_off_thread_and_pins_pages(conns):
     kv = mha(ps=1, layers=4, heads=4, dim=64)
     tier = GatedTier()
-    c = conns(kv, cfg(host_tokens=8), [tier])
+    c = conns(kv, cfg(host_tokens=32), [tier])  # pin budget: a quarter of the tier, 8 pages
     a = c.page_keys(list(range(8)))
     t0 = time.perf_counter()
     assert c.store(a, rand_slots(8, 1, 1)).ok  # host copy done; the tier write waits on the gate
     assert time.perf_counter() - t0 < 2.0 and c.host.pinned_pages == 8
     assert threading.current_thread() not in tier.threads
-    # the host tier is full of pages the write still reads: a new store may not take them
-    b = c.page_keys(list(range(100, 108)))
-    h = c.store(b, rand_slots(8, 1, 2))
-    assert not h.ok and h.stored_pages == 0 and c.lookup(a) == 8
+    # fill the rest of the tier; a store that must evict may not take the pages the write still reads
+    for i in range(3):
+        assert c.store(c.page_keys(list(range(100 * (i + 1), 100 * (i + 1) + 8))), rand_slots(8, 1, 2 + i)).ok
+    h = c.store(c.page_keys(list(range(900, 932))), rand_slots(32, 1, 9))
+    assert not h.ok and h.stored_pages == 24 and c.lookup(a) == 8  # every unpinned page, none of a's
+    assert c.metrics()["store_pages_short"] == 8
     c.host.discard(a[:2])  # discarded while pinned: freed only when the job ends
     assert c.host.free_pages == 0
     tier.gate.set()
     assert c.drain(5)
     assert c.host.pinned_pages == 0 and c.host.free_pages == 2
-    assert tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8
+    assert tier.contains_prefix(a) == 8
     rows = torch.stack([torch.from_numpy(tier.pages[k]) for k in a[2:]])  # InMemoryTier keeps numpy rows
     host_rows = c.host.words[torch.tensor([c.host.page_of(k) for k in a[2:]])].view(torch.uint8)
     assert torch.equal(rows, host_rows)  # the tier got the bytes the host tier holds
 
 
-def test_full_queue_drops_write_through_never_blocks(conns):
+def test_write_through_backlog_past_the_pin_budget_copies_and_leaves_pages_evictable(conns):
+    """A slow remote link builds a write-through backlog. Past a quarter of the host tier the jobs
+    copy their rows instead of pinning, so new stores still find pages (before: the backlog pinned
+    the whole tier, stores came up short and their KV was lost at device eviction)."""
+    kv = mha(ps=1, layers=4, heads=4, dim=64)
+    tier = GatedTier()
+    c = conns(kv, cfg(host_tokens=16), [tier])  # budget 4 pages
+    a, b = c.page_keys(list(range(4))), c.page_keys(list(range(10, 18)))
+    assert c.store(a, rand_slots(4, 1, 1)).ok and c.host.pinned_pages == 4
+    assert c.store(b, rand_slots(8, 1, 2)).ok
+    assert c.host.pinned_pages == 4 and c.metrics()["write_through_copied"] == 1  # b copied, not pinned
+    b_rows = c.host.words[torch.tensor([c.host.page_of(k) for k in b])].view(torch.uint8).clone()
+    # the tier is 12/16 full; a 12-page store evicts b's pages (its job holds a copy) but never a's
+    h = c.store(c.page_keys(list(range(50, 62))), rand_slots(12, 1, 3))
+    assert h.ok and c.metrics()["store_pages_short"] == 0
+    assert c.lookup(a) == 4 and c.host.contains_prefix(b) < 8
+    tier.gate.set()
+    assert c.drain(5) and c.host.pinned_pages == 0
+    assert tier.contains_prefix(b) == 8  # the copy reached the tier intact, after its host pages were reused
+    assert torch.equal(torch.stack([torch.from_numpy(tier.pages[k]) for k in b]), b_rows)
+
+
+@pytest.mark.parametrize("host_tokens", [2048, 1024])  # the second store pinned / copied (pin budget 512 / 256)
+def test_full_queue_drops_write_through_never_blocks(conns, host_tokens):
     kv = mha(ps=1, layers=4, heads=4, dim=64)  # 4 KiB pages
     tier = GatedTier()
-    c = conns(kv, cfg(host_tokens=512, queue_bytes=1 << 20), [tier])
+    c = conns(kv, cfg(host_tokens=host_tokens, queue_bytes=1 << 20), [tier])
     assert c.store(c.page_keys(list(range(200))), rand_slots(200, 1, 3)).ok  # 800 KiB queued
     t0 = time.perf_counter()
     h = c.store(c.page_keys(list(range(1000, 1100))), rand_slots(100, 1, 4))  # 400 KiB more: over 1 MiB
     assert h.ok and time.perf_counter() - t0 < 2.0
     m = c.metrics()
-    assert m["write_through_dropped"] == 1 and m["transfer"]["dropped"] == 1
+    # refused by the engine (pinned path) or before the copy was made (copy path: nothing copied)
+    assert m["write_through_dropped"] == 1 and m["transfer"]["dropped"] == (1 if host_tokens == 2048 else 0)
     assert c.host.pinned_pages == 200  # the dropped job's pages were unpinned at once
     tier.gate.set()
     assert c.drain(5) and c.host.pinned_pages == 0 and len(tier.pages) == 200

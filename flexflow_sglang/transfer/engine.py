@@ -362,13 +362,16 @@ class TransferEngine:
     def _execute(self, job: Job) -> None:
         job.state = JobState.RUNNING
         job.t_start = time.monotonic()
+        cpu0 = time.thread_time()  # this thread's CPU: what the job took from the forward's cores
         try:
             res = job.run(job)
         except Exception as e:  # noqa: BLE001 - a failed job is reported, never raised into a worker
             logger.warning("flexflow transfer: %s job failed: %r", job.kind, e)
             logger.debug("flexflow transfer: %s job traceback", job.kind, exc_info=True)
+            job.cpu_s = time.thread_time() - cpu0
             job._finish(JobState.FAILED, None, repr(e))
         else:
+            job.cpu_s = time.thread_time() - cpu0
             job._finish(JobState.DONE, res)
 
     def poll(self) -> List[Job]:
@@ -379,6 +382,9 @@ class TransferEngine:
             out, self._finished = self._finished, []
         for job in out:
             k = self.c_kind.setdefault(job.kind, {"submitted": 0, "dropped": 0, "done": 0, "failed": 0})
+            if job.t_end and job.t_start:  # ran (a cancelled job did not): wall and CPU per kind
+                k["wall_ms"] = k.get("wall_ms", 0) + int(1e3 * (job.t_end - job.t_start))
+                k["cpu_ms"] = k.get("cpu_ms", 0) + int(1e3 * job.cpu_s)
             if job.state == JobState.DONE:
                 self.c["completed"] += 1
                 k["done"] += 1

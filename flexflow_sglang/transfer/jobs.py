@@ -43,6 +43,7 @@ class Job:
     t_submit: float = field(default_factory=time.monotonic)
     t_start: float = 0.0
     t_end: float = 0.0
+    cpu_s: float = 0.0                 # CPU seconds of the worker thread while run() ran
     seq: int = 0
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 

@@ -45,3 +45,13 @@ def test_cli_lists_stall(capsys):
 def test_off_mode_host_tier_holds_the_background():
     from flexflow_sglang.tools.bench import stall
     assert stall.off_host_tokens(2, 8, 256) == 2 * 2 * 8 * 272 and stall.off_host_tokens(1, 1, 8) == 1024
+
+
+def test_open_loop_pacing_keeps_the_rate_and_never_bursts():
+    from flexflow_sglang.tools.bench.stall import next_slot
+    t, wait = next_slot(10.0, 2.0, 10.1)       # on schedule: the next slot is 0.5 s after the last
+    assert t == 10.5 and abs(wait - 0.4) < 1e-9
+    t, wait = next_slot(10.0, 2.0, 13.0)       # 2.5 s late: start now, no back-to-back catch-up
+    assert (t, wait) == (13.0, 0.0)
+    t, wait = next_slot(t, 2.0, 13.0)          # and the schedule goes on from there
+    assert t == 13.5 and wait == 0.5

@@ -175,7 +175,7 @@ def run_backend(name: str, model: str, args) -> dict:
         kw = {"radix_cache_backend": "flexflow", "flexflow_config": cfg}
     log = os.path.join(args.out, f"server-{name}.log")
     server = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
-                          dp_size=args.dp_size,
+                          dp_size=args.dp_size, page_size=args.page_size,
                           max_running_requests=max(4, args.max_concurrency),
                           extra_args=["--enable-metrics", "--dtype", args.dtype], **kw)
     try:
@@ -281,10 +281,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=None,
                     help="write a config with a host tier of this many tokens (instead of --config)")
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
+    ap.add_argument("--page-size", type=int, default=None,
+                    help="SGLang --page-size of every server (default: SGLang's, 1); the tiers' pages follow it")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
     args = ap.parse_args(argv)
     check_positive(ap, args, WORKLOAD_POSITIVE + ("passes", "rounds", "dp_size"))
+    if args.page_size is not None and args.page_size <= 0:
+        ap.error(f"--page-size must be positive, got {args.page_size}")
     try:
         import datasets  # noqa: F401 - bench_serving imports every dataset loader at start
     except ImportError:
@@ -318,7 +322,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     workload = {k: getattr(args, k) for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len",
                                               "gsp_question_len", "gsp_output_len", "max_concurrency",
                                               "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
-                                              "storage", "config", "dp_size")}
+                                              "storage", "config", "dp_size", "page_size")}
     out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
            "model_path": model, "workload": workload, "results": results, "summary": summary}
     with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:

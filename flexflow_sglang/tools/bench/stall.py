@@ -7,7 +7,8 @@ in one run, a fresh server serves the same workload:
 
   * N decoding streams (short prompts, D new tokens each, streamed): their inter-token latencies
     (ITL) are what is measured;
-  * W background clients at the same time send long prompts (P tokens, one new token): every one
+  * W background clients at the same time send long prompts (P tokens, one new token; closed loop,
+    or --bg-rate requests per second each, so that every mode does the same work): every one
     is stored (write-through to the storage tier and over the capped link to the remote tier), and
     after the first pass they revisit the earliest prompts, which the small device pool and host
     tier have pushed down: those load back from the storage / remote tier.
@@ -69,6 +70,15 @@ def prompt(seed: int, words: int) -> str:
     return f"request {seed} " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
+def next_slot(t_next: float, rate: float, now: float) -> tuple:
+    """Open-loop pacing: (the next request's start time, seconds to wait for it). A writer that
+    fell behind its schedule starts at once and keeps the schedule (no catch-up burst beyond it)."""
+    t = t_next + 1.0 / rate
+    if t < now:  # late: restart the schedule from now rather than firing back-to-back to catch up
+        return now, 0.0
+    return t, t - now
+
+
 def itl_stats(itls: List[float]) -> dict:
     return {"n": len(itls), "p50_ms": round(1e3 * nearest_rank(itls, 0.50, empty=float("nan")), 2),
             "p99_ms": round(1e3 * nearest_rank(itls, 0.99, empty=float("nan")), 2),
@@ -117,18 +127,30 @@ def run_inside(args) -> int:
                           flexflow_config=cfg_path, max_total_tokens=args.max_total_tokens,
                           max_running_requests=args.streams + args.writers + 2,
                           extra_args=["--enable-metrics", "--dtype", args.dtype or "auto"],
-                          timeout=args.start_timeout)
+                          timeout=args.start_timeout,
+                          # the forward's torch threads (every mode alike); the other cores are left
+                          # to the data plane, as on a GPU server whose forward runs on the GPU
+                          env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None)
     res = {"mode": args.mode, "log": server.log_path}
     server.start()
     try:
         url = server.url
         generate(url, "warm up the server", 4)
         stop = threading.Event()
-        bg = {"requests": 0, "revisits": 0, "errors": 0}
+        bg = {"requests": 0, "revisits": 0, "errors": 0, "late": 0}
 
         def writer(w: int) -> None:
             k = 0
+            t_next = time.monotonic()
             while not stop.is_set():
+                if args.bg_rate > 0:  # open loop: the same background work per second in every mode
+                    t_next, wait = next_slot(t_next, args.bg_rate, time.monotonic())
+                    if wait > 0:
+                        stop.wait(wait)
+                    else:
+                        bg["late"] += 1  # the previous request outlasted its slot: this one starts late
+                    if stop.is_set():
+                        break
                 seed = 1000 * (w + 1) + k
                 # first pass: new prompts (stored, written through); then revisit the oldest ones,
                 # long evicted from the device pool and the host tier: load-backs from deep tiers
@@ -210,6 +232,26 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _start_tier_server(lab, args, env: dict, mode: str):
+    """A tier server in the `tier` namespace (its log: tier-server-<mode>.log); the process, or False
+    when it did not become ready within 60 s."""
+    ready = os.path.join(args.out, f"tier-{mode}.ready")
+    if os.path.exists(ready):
+        os.unlink(ready)
+    tier_log = open(os.path.join(args.out, f"tier-server-{mode}.log"), "wb")
+    p = lab.spawn("tier", [sys.executable, "-m", "flexflow_sglang.tiers.tier_server", "--listen",
+                           f"0.0.0.0:{TIER_PORT}", "--capacity-gb", str(args.tier_capacity_gb), "--node", "tier",
+                           "--ready-file", ready], env={**env, "UCX_NET_DEVICES": lab.dev("tier", "srv")},
+                  stdout=tier_log, stderr=subprocess.STDOUT)
+    end = time.monotonic() + 60
+    while not os.path.exists(ready):
+        if time.monotonic() > end or p.poll() is not None:
+            lab.kill(p)
+            return False
+        time.sleep(0.1)
+    return p
+
+
 def run_driver(args) -> int:
     from tqdm import tqdm
 
@@ -235,38 +277,33 @@ def run_driver(args) -> int:
            "dtype": args.dtype,
            "model_name": model_name,
            "kv_bytes_per_token": kvpt, "rate": args.rate, "streams": args.streams, "decode_tokens": args.decode_tokens,
-           "writers": args.writers, "prompt_tokens": args.prompt_tokens, "modes": {}}
+           "writers": args.writers, "prompt_tokens": args.prompt_tokens, "bg_rate": args.bg_rate,
+           "forward_threads": args.forward_threads, "modes": {}}
     env = {"UCX_TLS": "tcp", "NIXL_LOG_LEVEL": "WARN", "UCX_LOG_LEVEL": "error", "UCX_WARN_UNUSED_ENV_VARS": "n",
            "PYTHONUNBUFFERED": "1"}
     with netlab.NetLab(["srv", "tier"]) as lab:
         lab.link("srv", "tier", args.rate)
-        ready = os.path.join(args.out, "tier.ready")
-        if os.path.exists(ready):
-            os.unlink(ready)
-        tier_log = open(os.path.join(args.out, "tier-server.log"), "wb")
-        lab.spawn("tier", [sys.executable, "-m", "flexflow_sglang.tiers.tier_server", "--listen",
-                           f"0.0.0.0:{TIER_PORT}", "--capacity-gb", str(args.tier_capacity_gb), "--node", "tier",
-                           "--ready-file", ready], env={**env, "UCX_NET_DEVICES": lab.dev("tier", "srv")},
-                  stdout=tier_log, stderr=subprocess.STDOUT)
-        end = time.monotonic() + 60
-        while not os.path.exists(ready):
-            if time.monotonic() > end:
-                print("bench stall: tier server did not start; see tier-server.log", file=sys.stderr)
-                return 1
-            time.sleep(0.1)
         peer = f"{lab.addr('tier', 'srv')}:{TIER_PORT}"
         for mode in tqdm(modes, desc="bench stall", unit="mode"):
+            # a fresh, empty tier server per mode: pages an earlier mode wrote would turn this
+            # mode's first-pass prompts into remote hits (less compute, an unfair comparison)
+            tier = _start_tier_server(lab, args, env, mode) if mode != "off" else None
+            if tier is False:
+                print("bench stall: tier server did not start; see tier-server-*.log", file=sys.stderr)
+                return 1
             result = os.path.join(args.out, f"stall-{mode}.json")
             cmd = [sys.executable, "-m", "flexflow_sglang.tools.bench.stall", "--inside", "--mode", mode, "--peer", peer,
                    "--model", model, "--result", result, "--workdir", args.out]
             for k in ("streams", "decode_tokens", "rounds", "writers", "prompt_tokens", "fresh_prompts",
                       "host_tokens", "off_host_tokens", "max_total_tokens", "lead_s", "start_timeout", "dtype",
-                      "worker_nice"):
+                      "worker_nice", "bg_rate", "forward_threads"):
                 cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
             log = open(os.path.join(args.out, f"runner-{mode}.log"), "wb")
             p = lab.spawn("srv", cmd, env={**env, "UCX_NET_DEVICES": lab.dev("srv", "tier")}, stdout=log,
                           stderr=subprocess.STDOUT)
             rc = p.wait()
+            if tier is not None:
+                lab.kill(tier)
             if rc != 0 or not os.path.exists(result):
                 out["modes"][mode] = {"error": f"runner exited {rc}; see runner-{mode}.log"}
                 continue
@@ -312,6 +349,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=3072)
     ap.add_argument("--tier-capacity-gb", type=float, default=1.0)
     ap.add_argument("--lead-s", type=float, default=3.0)
+    ap.add_argument("--forward-threads", type=int, default=0,
+                    help="OMP_NUM_THREADS of the server in every mode (0: torch's default, all cores); 1 on a "
+                         "2-core machine leaves a core to the data plane, as a GPU server's host CPU has")
+    ap.add_argument("--bg-rate", type=float, default=0.0,
+                    help="background requests per second per writer (open loop, the same work in every mode; "
+                         "0: closed loop, each writer sends its next request when the last one ends)")
     ap.add_argument("--worker-nice", type=int, default=0, help="transfer.worker_nice of the async/sync servers")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     # inside the srv namespace (spawned by the driver)

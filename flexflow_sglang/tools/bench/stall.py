@@ -190,7 +190,7 @@ def run_inside(args) -> int:
             m = flexflow_metrics(url)
             res["metrics"] = {k: v for k, v in m.items() if any(s in k for s in (
                 "written_through", "pages_spilled", "pages_loaded", "dropped", "prefetch", "fetch_timeouts",
-                "stores", "transfer_", "cache_sched_"))}
+                "stores", "store_pages", "copied", "transfer_", "cache_sched_"))}
             # the backend's own time on the scheduler thread (backend/sched_clock.py): which hook, if
             # any, held every decoding request
             res["sched_hooks"] = {k[len("flexflow_cache_sched_"):]: v for k, v in m.items()

@@ -99,6 +99,7 @@ class FlexFlowRadixCache(RadixCache):
         self._inflight: Deque[Tuple[Any, Any]] = deque()  # (StoreHandle, TreeLock), issue order
         # per queued request, in arrival order (identical on every rank): prefetch on arrival
         self._prefetch: "OrderedDict[CacheRequestHandle, _Prefetch]" = OrderedDict()
+        self._prefetch_by_key: Dict[bytes, Any] = {}  # first deep page key -> in-flight PrefetchHandle
         self._released = False
         self._prom = None
         self._dump_kv = kv_dump.dump_dir() is not None
@@ -106,7 +107,7 @@ class FlexFlowRadixCache(RadixCache):
         self._dump_rank = getattr(ctx, "tp_rank", 0) if ctx is not None else 0
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
-            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued",
+            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued", "prefetches_shared",
             "prefetch_holds", "prefetch_timeouts", "prefetch_ready", "layerwise_load_backs")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
@@ -180,6 +181,7 @@ class FlexFlowRadixCache(RadixCache):
             if ent.handle is not None:
                 ent.handle.cancel()
         self._prefetch.clear()
+        self._prefetch_by_key.clear()
         self._host_hits.clear()
         self._key_memo.clear()
 
@@ -552,8 +554,20 @@ class FlexFlowRadixCache(RadixCache):
         start = first + hit
         if start >= total:
             return
-        ent.handle = conn.prefetch(chain=(keys[hit - 1] if hit else prev, raw[start * ps:total * ps],
-                                          total - start, False))
+        chain_prev = keys[hit - 1] if hit else prev
+        # Requests queued together often share a prefix (a system prompt, a conversation): one fetch
+        # serves them all. The key of the first page to fetch names the whole prefix up to it (keys
+        # are chained), so a request whose first deep page is the same as an in-flight prefetch's
+        # waits on that one instead of reading the same pages again.
+        first_key = conn.chain_keys(chain_prev, raw[start * ps:(start + 1) * ps], 1, False)[0]
+        shared = self._prefetch_by_key.get(first_key)
+        if shared is not None and not shared.done and not shared.cancelled:
+            ent.handle = shared.share()
+            self._m["prefetches_shared"] += 1
+        else:
+            ent.handle = conn.prefetch(chain=(chain_prev, raw[start * ps:total * ps], total - start, False))
+            if not ent.handle.done:
+                self._prefetch_by_key[first_key] = ent.handle
         tc = conn.config.transfer
         ent.deadline = time.monotonic() + tc.prefetch_timeout_base_s + \
             tc.prefetch_timeout_per_ki_token_s * (total - start) * ps / 1024.0
@@ -564,6 +578,9 @@ class FlexFlowRadixCache(RadixCache):
         """Per scheduler tick (after the connector settled finished jobs): a pending request
         becomes ready when its prefetch ended or (timeout policy) its budget ran out, MIN-agreed
         across ranks so that every rank holds or admits it in the same step."""
+        if self._prefetch_by_key:  # settled fetches can no longer be shared
+            for k in [k for k, h in self._prefetch_by_key.items() if h.done or h.cancelled]:
+                del self._prefetch_by_key[k]
         pend = [e for e in self._prefetch.values() if not e.ready]
         if not pend:
             return

@@ -86,11 +86,20 @@ class PrefetchHandle:
     failed: bool = False
     cancelled: bool = False
     job: Any = field(default=None, repr=False)
+    refs: int = 1                      # requests waiting on it (a prefix shared by queued requests)
+
+    def share(self) -> "PrefetchHandle":
+        """Another queued request waits on this fetch (its prefix starts with the same deep page)."""
+        self.refs += 1
+        return self
 
     def cancel(self) -> None:
-        """The request is gone (abort, flush): a queued fetch skips its I/O; what a running one
-        brings back still lands in the host tier (valid KV for later requests)."""
-        self.cancelled = True
+        """A request waiting on it is gone (abort, flush, finished): when none is left, a queued
+        fetch skips its I/O; what a running one brings back still lands in the host tier (valid KV
+        for later requests)."""
+        self.refs -= 1
+        if self.refs <= 0:
+            self.cancelled = True
 
 
 class FlexFlowConnector:

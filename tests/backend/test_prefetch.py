@@ -30,10 +30,13 @@ class GatedTier(InMemoryTier):
         self.write_through = True
         self.gate = threading.Event()
         self.gate.set()
+        self.pages_read = 0
 
     def get_many_into(self, keys, out_u8):
         self.gate.wait(10)
-        return super().get_many_into(keys, out_u8)
+        got = super().get_many_into(keys, out_u8)
+        self.pages_read += got
+        return got
 
 
 def make(policy="timeout", base=30.0, per_ki=0.0, host_tokens=256, params_kw=None):
@@ -194,3 +197,43 @@ def test_no_prefetch_without_deep_pages_or_with_policy_off(envs):
     wait_admitted(env2, req2)
     m = env2.connector.metrics()
     assert m["prefetches"] == 1 and m["prefetch_pages"] == 0 and m["transfer"]["held_bytes"] == 0
+
+
+def test_requests_sharing_a_prefix_share_one_fetch(envs):
+    """Requests queued together with the same deep prefix (a system prompt) wait on one fetch
+    instead of each reading the same pages; the first one leaving (abort) does not cancel the
+    fetch the other still waits on; both load the prefix from the host tier, KV byte-equal."""
+    env, tier = envs(policy="wait_complete")
+    ids = list(range(200, 240))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()
+    read0 = tier.pages_read
+    a = arrive(env, "a", ids + [1, 2])
+    b = arrive(env, "b", ids + [3, 4])
+    assert env.connector.metrics()["prefetches"] == 1 and env.tree.metrics()["prefetches_shared"] == 1
+    env.tree.release_aborted_request(a.cache_request_handle)  # a leaves; b still waits on the fetch
+    tier.gate.set()
+    wait_admitted(env, b)
+    r = E.serve(env, "b", ids + [3, 4], req=b)
+    assert r.loaded == len(ids) and r.kv_ok
+    m = env.connector.metrics()
+    assert m["prefetch_pages"] == len(ids) and m["pages_loaded_deep"] == 0
+    assert tier.pages_read - read0 == len(ids)  # the prefix was read once, not once per request
+
+
+def test_a_fetch_nobody_waits_for_is_skipped(envs):
+    env, tier = envs(policy="wait_complete")
+    ids = list(range(300, 340))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()
+    blocker = env.connector.prefetch(env.connector.page_keys(list(range(5000, 5008))))  # occupies the fetch lane
+    a = arrive(env, "a", ids + [1])
+    b = arrive(env, "b", ids + [2])
+    h = env.tree._prefetch[a.cache_request_handle].handle
+    assert h is env.tree._prefetch[b.cache_request_handle].handle and h.refs == 2
+    env.tree.release_aborted_request(a.cache_request_handle)
+    assert not h.cancelled  # b still waits
+    env.tree.release_aborted_request(b.cache_request_handle)
+    assert h.cancelled  # nobody left: a queued fetch skips its I/O
+    tier.gate.set()
+    assert env.connector.drain(5) and blocker.done

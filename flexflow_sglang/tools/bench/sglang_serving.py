@@ -160,8 +160,13 @@ def measure_pass(url: str, log: str, model: str, jsonl: str, args, label: str, p
         sum(v for k, v in before.items() if k.startswith("flexflow_hits_by_tier"))
     tokens = prefill_tokens(log, offset)
     prompt = tokens["new_tokens"] + tokens["cached_tokens"]
+    # what the data plane did in this pass (deltas): prefetches, their timeouts, deep loads, drops
+    moved = {k[len("flexflow_"):]: after[k] - before.get(k, 0) for k in after
+             if any(w in k for w in ("prefetch", "pages_loaded", "fetch_timeouts", "dropped", "store_pages_short",
+                                     "deep_pages_recompute_cheaper")) and "sched" not in k
+             and after[k] - before.get(k, 0)}
     return {"pass": pass_no, "wall_s": time.perf_counter() - t0, **{k: result.get(k) for k in KEEP},
-            **tokens, "flexflow_loaded_tokens": host,
+            **tokens, "flexflow_loaded_tokens": host, "flexflow_counters": moved,
             # tokens loaded from flexflow's tiers (host, or deeper through it) / prompt tokens
             "tier_hit_ratio": host / prompt if prompt else 0.0}
 

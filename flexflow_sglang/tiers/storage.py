@@ -52,6 +52,11 @@ from .base import (CHECKSUM_CRC32, KVTier, as_pages, check_keys, fingerprint_has
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
+try:  # the per-file system calls of a batch, GIL released once (csrc/flexflow_sglang/_file_batch.pyx)
+    from .. import _file_batch as _fb
+except ImportError:  # pragma: no cover - depends on the build; the Python twin does the same
+    _fb = None
+
 MAGIC = b"FFKV"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sHHIQ16s16s8sI")
@@ -410,8 +415,10 @@ class StorageTier(KVTier):
                     [(self._hdr_buf.ctypes.data, self._hdr_buf.nbytes, 0, "")], "DRAM", backends=[self._bk])
         return self._hdr_buf
 
-    def _nixl_io(self, op: str, fds: List[int], size: int, hdr: np.ndarray, data: np.ndarray, n: int) -> bool:
-        """One NIXL transfer for n files: header i <-> hdr[i], payload i <-> data[i]."""
+    def _nixl_io(self, op: str, fds: List[int], size: int, hdr: np.ndarray, data: np.ndarray, n: int,
+                 headers: bool = True) -> bool:
+        """One NIXL transfer for n files: header i <-> hdr[i] (unless `headers` is False: they
+        were moved already) and payload i <-> data[i]."""
         a, bk = self._agent, self._bk
         P = data.shape[1]
         fregs = dreg = h = None
@@ -421,8 +428,11 @@ class StorageTier(KVTier):
             loc, rem = [], []
             hb, db = hdr.ctypes.data, data.ctypes.data
             for i, fd in enumerate(fds):
-                loc += [(hb + i * HDR, HDR, 0), (db + i * P, P, 0)]
-                rem += [(0, HDR, fd), (HDR, P, fd)]
+                if headers:
+                    loc.append((hb + i * HDR, HDR, 0))
+                    rem.append((0, HDR, fd))
+                loc.append((db + i * P, P, 0))
+                rem.append((HDR, P, fd))
             h = a.initialize_xfer(op, a.get_xfer_descs(loc, "DRAM"), a.get_xfer_descs(rem, "FILE"),
                                   a.name, backends=[bk])
             st = post_xfer(a, h)
@@ -489,33 +499,27 @@ class StorageTier(KVTier):
                 names.append(nm)
             fds: List[int] = []
             t0 = time.perf_counter()
+            stamped = 0
             try:
-                for nm in names:  # open the leading files; a vanished or mis-sized one ends the run
-                    fd, why = _open_regular(os.path.join(self.path, nm))
-                    if fd is None:  # vanished, or swapped for a FIFO/dir/link: forget it, delete no odd entry
-                        odd = why.startswith("not a regular")
-                        if odd:
-                            self._odd(nm, why)
-                        self._drop(nm, corrupt=True, unlink=not odd)
-                        break
-                    st_size = os.fstat(fd).st_size
-                    if st_size != size:
-                        os.close(fd)
-                        if st_size == self._index.get(nm):  # intact, but the caller's page size differs
-                            self._c["size_mismatch"] += 1
-                        else:                               # truncated or rewritten behind our back
-                            self._drop(nm, corrupt=True)
-                        break
-                    fds.append(fd)
+                fds = self._open_leading(names, size)  # a vanished, odd or mis-sized file ends the run
                 n = len(fds)
                 hdr = self._ensure_hdr_buf(n)
                 if n:
                     ok = False
+                    # compiled: the headers (and without NIXL the payloads too) in one call, GIL
+                    # released once; NIXL then moves only the payloads (half the descriptors, and
+                    # NIXL POSIX progresses a batch of descriptors per status poll)
+                    native = _fb is not None and out.strides[1] == 1
+                    fd_arr = np.asarray(fds, dtype=np.int64) if native else None
                     if self._agent is not None:
-                        ok = self._nixl_io("READ", fds, size, hdr, out, n)
+                        if native:
+                            _fb.read_pages(fd_arr, n, hdr.ctypes.data, HDR, 0, 0, P, False)
+                        ok = self._nixl_io("READ", fds, size, hdr, out, n, headers=not native)
                         if not ok:
                             self._nixl_failed("read")
-                    if not ok:
+                    if not ok and native:
+                        _fb.read_pages(fd_arr, n, hdr.ctypes.data, HDR, out.ctypes.data, out.strides[0], P, True)
+                    elif not ok:
                         for i, fd in enumerate(fds):
                             try:
                                 os.preadv(fd, [memoryview(hdr[i]), memoryview(out[i])], 0)
@@ -533,10 +537,9 @@ class StorageTier(KVTier):
                     k += 1
                 for i in range(k):
                     self._index.move_to_end(names[i])
-                    self._stamp(fds[i])
+                stamped = k
             finally:
-                for fd in fds:
-                    os.close(fd)
+                self._stamp_and_close(fds, stamped)
             self._c["read_s"] += time.perf_counter() - t0
             self._c["hits"] += k
             self._c["misses"] += len(keys) - k
@@ -677,6 +680,88 @@ class StorageTier(KVTier):
                     os.close(fd)
                 except OSError:
                     pass
+
+    def _open_leading(self, names: List[str], size: int) -> List[int]:
+        """Open the leading page files of `names` that are regular files of ours of `size` bytes
+        (never following a link, never blocking). The first that is not ends the run and is
+        dealt with: vanished or swapped for a link -> dropped; a FIFO/dir/device/foreign file ->
+        skipped as odd, left alone; another size -> a size mismatch (intact) or dropped (truncated).
+        One compiled call with the GIL released for the whole batch when built (_file_batch)."""
+        if not names:
+            return []
+        n = len(names)
+        raw = b"".join(nm.encode().ljust(_fb.NAME_STRIDE, b"\0") for nm in names) if _fb is not None else b""
+        if _fb is None or len(raw) != n * _fb.NAME_STRIDE:  # (names are 35 bytes; never misalign the blob)
+            return self._open_leading_py(names, size)
+        blob = np.frombuffer(raw, dtype=np.uint8)
+        fds = np.zeros(n, dtype=np.int64)
+        status = np.zeros(n, dtype=np.int64)
+        st_size = np.zeros(n, dtype=np.int64)
+        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            k = _fb.open_regular(dfd, blob, n, os.getuid(), size, fds, status, st_size)
+        finally:
+            os.close(dfd)
+        if k < n:
+            nm, code = names[k], int(status[k])
+            if code < 0:
+                why = f"open: {os.strerror(-code)}"
+            elif code == 2:
+                why = "not a regular file"
+            elif code == 3:
+                why = "not a regular file of ours"
+            else:
+                why = ""
+            self._end_of_run(nm, why, int(st_size[k]), size)
+        return [int(fd) for fd in fds[:k]]
+
+    def _open_leading_py(self, names: List[str], size: int) -> List[int]:
+        """The Python twin of _open_leading (no compiled helpers): same checks, same outcome."""
+        fds: List[int] = []
+        for nm in names:
+            fd, why = _open_regular(os.path.join(self.path, nm))
+            if fd is None:
+                self._end_of_run(nm, why, -1, size)
+                break
+            st_size = os.fstat(fd).st_size
+            if st_size != size:
+                os.close(fd)
+                self._end_of_run(nm, "", st_size, size)
+                break
+            fds.append(fd)
+        return fds
+
+    def _end_of_run(self, nm: str, why: str, st_size: int, size: int) -> None:
+        """File `nm` ends a read run: why it could not be opened (`why`), or its size."""
+        if why:  # vanished, or swapped for a FIFO/dir/link: forget it, delete no odd entry
+            odd = why.startswith("not a regular")
+            if odd:
+                self._odd(nm, why)
+            self._drop(nm, corrupt=True, unlink=not odd)
+        elif st_size == self._index.get(nm):  # intact, but the caller's page size differs
+            self._c["size_mismatch"] += 1
+        else:                                 # truncated or rewritten behind our back
+            self._drop(nm, corrupt=True)
+
+    def _stamp_and_close(self, fds: List[int], n_stamp: int) -> None:
+        """Use-stamp the first n_stamp files (LRU order that survives a restart) and close all."""
+        if not fds:
+            return
+        if self.read_only:
+            n_stamp = 0
+        first = max(time.time_ns(), self._last_stamp + 1)
+        if n_stamp:
+            self._last_stamp = first + n_stamp - 1
+        if _fb is not None:
+            _fb.stamp_and_close(np.asarray(fds, dtype=np.int64), len(fds), n_stamp, first)
+            return
+        for i, fd in enumerate(fds):
+            if i < n_stamp:
+                try:
+                    os.utime(fd, ns=(first + i, first + i))
+                except OSError:
+                    pass
+            os.close(fd)
 
     def _stamp(self, fd: int) -> None:
         """mtime = a strictly increasing use stamp, so the LRU order (even within one batch)

@@ -89,7 +89,18 @@ def test_special_files_named_like_pages_at_start(tmp_path, kind):
     t.close()
 
 
-def test_fifo_swapped_in_for_a_stored_page_does_not_block(tmp_path):
+@pytest.fixture(params=["compiled", "python"])
+def file_calls(request, monkeypatch):
+    """The per-file system calls of a read batch: compiled (_file_batch, GIL released once) or their
+    Python twin (no build); both must treat every odd entry the same way."""
+    if request.param == "python":
+        monkeypatch.setattr(storage_mod, "_fb", None)
+    elif storage_mod._fb is None:
+        pytest.skip("compiled _file_batch not built")
+    return request.param
+
+
+def test_fifo_swapped_in_for_a_stored_page_does_not_block(tmp_path, file_calls):
     d, t, ks, pg = stored(tmp_path, 4)
     victim = d / page_name(t, ks[2])
     victim.unlink()
@@ -226,4 +237,27 @@ def test_fsync_mode_syncs_files_and_directory(tmp_path, monkeypatch):
     t = make(tmp_path / "kv2")
     t.put_many(ks, pg)
     assert calls == []  # the default promise: rename without fsync
+    t.close()
+
+
+@pytest.mark.root
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown to another uid)")
+def test_file_of_another_uid_swapped_in_while_running_ends_the_read(tmp_path, file_calls):
+    d, t, ks, pg = stored(tmp_path, 4)
+    f = d / page_name(t, ks[1])
+    os.chown(f, 65534, 65534)
+    out = np.zeros_like(pg)
+    assert bounded(lambda: t.get_many_into(ks, out)) == 1 and np.array_equal(out[:1], pg[:1])
+    assert t.stats()["odd_skipped"] == 1 and f.exists()  # skipped and left alone, never read
+    t.close()
+
+
+def test_symlink_swapped_in_is_never_followed(tmp_path, file_calls):
+    d, t, ks, pg = stored(tmp_path, 3)
+    target = tmp_path / "elsewhere.kv"
+    os.replace(d / page_name(t, ks[0]), target)  # a valid page file, moved out of the tier
+    os.symlink(target, d / page_name(t, ks[0]))
+    out = np.zeros_like(pg)
+    assert bounded(lambda: t.get_many_into(ks, out)) == 0  # O_NOFOLLOW: the link is not a page
+    assert target.exists() and not out.any()
     t.close()

@@ -1,7 +1,8 @@
 """Storage tier: byte equality, restart persistence, damaged files, permissions, eviction, full disk.
 
-Most tests run twice: through NIXL's POSIX backend (marked nixl) and through the plain-os fallback
-that is used when nixl cannot be imported."""
+Most tests run four times: through NIXL's POSIX backend (marked nixl) and through the plain-os fallback
+that is used when nixl cannot be imported, each with the compiled per-file batch helpers and with their
+Python twin."""
 from __future__ import annotations
 
 import errno
@@ -33,11 +34,16 @@ def pages_for(n, seed=0, p=P):
     return np.random.default_rng(seed).integers(0, 256, size=(n, p), dtype=np.uint8)
 
 
-@pytest.fixture(params=[pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl]), "os"])
+@pytest.fixture(params=[pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl]), "os",
+                        pytest.param("nixl-python", marks=[pytest.mark.nixl, requires_nixl]), "os-python"])
 def backend(request, monkeypatch):
-    if request.param == "os":
+    """nixl / os: the data path; -python: the per-file system calls made from Python (the twin of the
+    compiled _file_batch helpers, used when the extension is not built): same checks, same outcome."""
+    if request.param.startswith("os"):
         monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
-    return request.param
+    if request.param.endswith("-python"):
+        monkeypatch.setattr(storage_mod, "_fb", None)
+    return request.param.split("-")[0]
 
 
 @pytest.fixture

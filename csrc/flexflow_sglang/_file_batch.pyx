@@ -1,0 +1,128 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Per-file system calls of the storage tier's batch reads, for many page files in one call.
+
+A storage-tier read of n one-page files opens, checks and later stamps and closes each file: four
+system calls per file. Made from Python, each releases and re-acquires the GIL, and while SGLang's
+scheduler thread runs Python the engine worker waits for the GIL after every one of them (up to the
+interpreter's switch interval): with 1-token pages a 1,024-page prefetch spent more than a second
+doing so. Here the whole batch runs with the GIL released once. The bytes still move through NIXL
+(tiers/storage.py); these helpers only open the descriptors it reads and close them afterwards.
+
+Status codes of open_regular (per file, the first failure ends the run, as the Python twin does):
+    0 ok | -errno: openat failed | 2 not a regular file | 3 owned by another uid | 4 wrong size
+"""
+
+from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.errno cimport errno
+cdef extern from "<fcntl.h>" nogil:
+    int openat(int dirfd, const char* path, int flags, ...)
+    enum: O_RDONLY
+    enum: O_NOFOLLOW
+    enum: O_CLOEXEC
+    enum: O_NONBLOCK
+from posix.unistd cimport close
+from posix.stat cimport struct_stat, fstat, S_ISREG
+from posix.time cimport timespec
+
+cdef extern from "<sys/stat.h>" nogil:
+    int futimens(int fd, const timespec times[2])
+
+NAME_STRIDE = 40  # bytes per NUL-padded name in the names blob (32 hex + ".kv" + NUL fit)
+
+
+def open_regular(int dirfd, const uint8_t[::1] names, int64_t n, int uid, int64_t size,
+                 int64_t[::1] fds, int64_t[::1] status, int64_t[::1] st_size):
+    """Open names[i] (NUL-terminated, NAME_STRIDE apart) under dirfd without following a link or
+    blocking; keep it only if it is a regular file of `uid` of exactly `size` bytes. Returns how
+    many leading files are open (their fds in fds[:k]); status[k] / st_size[k] say why file k is
+    not (k < n). Never leaves a descriptor open that it does not return."""
+    cdef int64_t i, k = 0
+    cdef int fd
+    cdef struct_stat st
+    cdef const char* base = <const char*>&names[0]
+    if names.shape[0] < n * NAME_STRIDE or fds.shape[0] < n or status.shape[0] < n or st_size.shape[0] < n:
+        raise ValueError("open_regular: buffers shorter than n")
+    with nogil:
+        for i in range(n):
+            fd = openat(dirfd, base + i * 40, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK)
+            if fd < 0:
+                status[i] = -errno
+                break
+            if fstat(fd, &st) != 0:
+                status[i] = -errno
+                close(fd)
+                break
+            if not S_ISREG(st.st_mode):
+                status[i] = 2
+                close(fd)
+                break
+            if <int>st.st_uid != uid:
+                status[i] = 3
+                close(fd)
+                break
+            if st.st_size != size:
+                status[i] = 4
+                st_size[i] = st.st_size
+                close(fd)
+                break
+            status[i] = 0
+            fds[i] = fd
+            k += 1
+    return k
+
+
+def stamp_and_close(int64_t[::1] fds, int64_t n, int64_t n_stamp, int64_t first_stamp_ns):
+    """futimens(fds[i], stamp first_stamp_ns + i) for i < n_stamp (the LRU use stamp: strictly
+    increasing within the batch), then close every fds[:n]. Errors of either are ignored (a stamp
+    is a hint, a close of a file we only read cannot lose data)."""
+    cdef int64_t i, t
+    cdef timespec ts[2]
+    if fds.shape[0] < n:
+        raise ValueError("stamp_and_close: fds shorter than n")
+    with nogil:
+        for i in range(n):
+            if i < n_stamp:
+                t = first_stamp_ns + i
+                ts[0].tv_sec = t // 1000000000
+                ts[0].tv_nsec = t % 1000000000
+                ts[1] = ts[0]
+                futimens(<int>fds[i], ts)
+            close(<int>fds[i])
+    return None
+
+
+cdef extern from "<sys/uio.h>" nogil:
+    struct iovec:
+        void* iov_base
+        size_t iov_len
+    ssize_t preadv(int fd, const iovec* iov, int iovcnt, long offset)
+
+
+def read_pages(int64_t[::1] fds, int64_t n, uint64_t hdr_ptr, int64_t hdr_len, uint64_t data_ptr,
+               int64_t data_stride, int64_t page_len, bint with_data):
+    """Read file i's header (hdr_len bytes at offset 0) into hdr_ptr + i * hdr_len and, with
+    with_data, its payload (the page_len bytes after it) into data_ptr + i * data_stride, all with
+    the GIL released once. A short or failed read zeroes the header's magic, so that the caller's
+    header validation rejects that file (a miss), as the Python twin does. Returns files read whole."""
+    cdef int64_t i, ok = 0
+    cdef ssize_t want, got
+    cdef iovec iov[2]
+    if fds.shape[0] < n:
+        raise ValueError("read_pages: fds shorter than n")
+    if hdr_ptr == 0 or hdr_len < 4 or (with_data and (data_ptr == 0 or page_len < 0 or data_stride < page_len)):
+        raise ValueError("read_pages: bad buffer description")
+    with nogil:
+        for i in range(n):
+            iov[0].iov_base = <void*>(<uint8_t*>hdr_ptr + i * hdr_len)
+            iov[0].iov_len = hdr_len
+            want = hdr_len
+            if with_data:
+                iov[1].iov_base = <void*>(<uint8_t*>data_ptr + i * data_stride)
+                iov[1].iov_len = page_len
+                want += page_len
+            got = preadv(<int>fds[i], iov, 2 if with_data else 1, 0)
+            if got != want:
+                (<uint8_t*>hdr_ptr + i * hdr_len)[0] = 0   # "FFKV" no more: fails validation
+                continue
+            ok += 1
+    return ok

@@ -224,15 +224,18 @@ class TransferEngine:
 
     def move(self, src: Optional[str], dst: Optional[str], units: int, unit_bytes: int,
              leg: Callable[[Any, int, int], Any], *, chunked: bool = True, record: str = "",
-             ttft_sensitive: Optional[bool] = None, on_leg_end: Optional[Callable[[Any], None]] = None) -> MoveStats:
+             ttft_sensitive: Optional[bool] = None, on_leg_end: Optional[Callable[[Any], None]] = None,
+             chunk_bytes: Optional[int] = None) -> MoveStats:
         """Route `units` units of `unit_bytes` from src to dst and run them: `leg(subpath, u0, u1)`
         moves units [u0, u1) along the subpath (None when unrouted), in chunks of `chunk_bytes`
-        when `chunked`. A chunk whose leg returns an int smaller than its size ends the move
+        when `chunked` (`chunk_bytes` overrides the engine's for this move: a leg whose every call
+        has a high fixed cost asks for larger chunks). A chunk whose leg returns an int smaller than its size ends the move
         (short read: the leading units moved are what counts); the return value is then
         `MoveStats.nbytes` of what moved. Exceptions propagate after the reservations are released."""
         t = self.open(src, dst, units * unit_bytes, ttft_sensitive)
         try:
-            per = max(1, self.chunk_bytes // max(1, unit_bytes)) if chunked else max(1, units)
+            cb = max(self.chunk_bytes, int(chunk_bytes)) if chunk_bytes else self.chunk_bytes
+            per = max(1, cb // max(1, unit_bytes)) if chunked else max(1, units)
             for i, sub, u0, u1 in t.shares(units):
                 t0 = time.perf_counter()
                 moved, short = 0, False

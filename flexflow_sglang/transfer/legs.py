@@ -32,7 +32,7 @@ def tier_put(engine, tier, src_node: Optional[str], keys: Sequence[bytes], rows_
         return int(tier.put_many(list(keys), rows_u8) or 0)
     unit = int(rows_u8.shape[1])
     stats = engine.move(src_node, tier.node, n, unit, lambda sub, i0, i1: int(tier.put_many(keys[i0:i1], rows_u8[i0:i1]) or 0),
-                        record="tier:")
+                        record="tier:", chunk_bytes=getattr(tier, "io_chunk_bytes", None))
     return stats.nbytes // unit
 
 
@@ -47,7 +47,7 @@ def tier_get(engine, tier, dst_node: Optional[str], keys: Sequence[bytes], out_u
     unit = int(out_u8.shape[1])
     stats = engine.move(tier.node, dst_node, n, unit,
                         lambda sub, i0, i1: int(tier.get_many_into(keys[i0:i1], out_u8[i0:i1]) or 0),
-                        record="tier:")
+                        record="tier:", chunk_bytes=getattr(tier, "io_chunk_bytes", None))
     return stats.nbytes // unit
 
 

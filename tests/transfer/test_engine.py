@@ -200,3 +200,12 @@ def test_worker_nice_lowers_only_the_workers_priority():
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller is untouched
     finally:
         e.close()
+
+
+def test_a_leg_may_ask_for_larger_chunks_never_smaller(eng):
+    calls = []
+    eng.move("nvme9", "cpu0", 64, 1024, lambda sub, u0, u1: calls.append((u0, u1)), chunk_bytes=16 << 10)
+    assert calls == [(0, 16), (16, 32), (32, 48), (48, 64)]  # 16 KiB chunks of 1 KiB units
+    calls.clear()
+    eng.move("nvme9", "cpu0", 8, 1024, lambda sub, u0, u1: calls.append((u0, u1)), chunk_bytes=1)
+    assert calls == [(0, 4), (4, 8)]  # the engine's 4 KiB chunk is the floor

@@ -184,7 +184,7 @@ class FlexFlowConnector:
             "write_through_failures", "write_through_dropped", "spills_dropped", "pages_spill_dropped",
             "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
             "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper",
-            "write_through_copied", "store_pages_short")}
+            "write_through_copied", "store_pages_short", "spills_skipped_held")}
         # host pages pinned by queued / running write-through jobs, at most a quarter of the tier: the
         # rest of a backlog copies its rows out, so stores always find pages to take
         self._wt_pinned = 0
@@ -623,13 +623,23 @@ class FlexFlowConnector:
         caller reuses the pages next), the tier write is an engine job. A full queue drops them."""
         if not evicted or not self.tiers:
             return
+        tier = self.tiers[0]
+        try:
+            held = tier.holds_locally([k for k, _ in evicted])
+        except Exception:  # noqa: BLE001 - no answer: spill them all
+            held = None
+        if held is not None:  # already there (prefetched from it, written through, spilled before)
+            kept = [e for e, h in zip(evicted, held) if not h]
+            self._m["spills_skipped_held"] += len(evicted) - len(kept)
+            evicted = kept
+            if not evicted:
+                return
         keys = [k for k, _ in evicted]
         nbytes = len(keys) * self.layout.page_nbytes
         if not self.engine.fits(nbytes):
             self._m["spills_dropped"] += 1
             self._m["pages_spill_dropped"] += len(keys)
             return
-        tier = self.tiers[0]
         rows = self.host.words.index_select(0, torch.as_tensor([p for _, p in evicted], dtype=torch.long))
         job = Job("spill", lambda j: tier_put(self.engine, tier, self.host_node, keys, rows.view(torch.uint8)),
                   nbytes=nbytes, ctx=(keys, tier))

@@ -108,6 +108,13 @@ class KVTier(abc.ABC):
         """True once `route_with` installed a router: the engine hands it whole batches, unchunked."""
         return self._router is not None
 
+    def holds_locally(self, keys: Sequence[bytes]) -> Optional[List[bool]]:
+        """Per key: does the tier hold it, answered from local state without I/O or a wait (the
+        scheduler thread asks before spilling host-tier victims: a page the tier already holds
+        needs no copy and no write). None: this tier cannot tell cheaply (then every victim spills).
+        A stale True costs a future miss, never wrong KV (reads verify)."""
+        return None
+
 
 # ---------------------------------------------------------------------------------------------
 # pages

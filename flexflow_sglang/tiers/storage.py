@@ -470,6 +470,13 @@ class StorageTier(KVTier):
             self._bk = "POSIX"
 
     # ------------------------------------------------------------------ protocol
+    def holds_locally(self, keys: List[bytes]) -> Optional[List[bool]]:
+        """Index membership per key (no I/O lock, as contains_prefix)."""
+        if self._closed:
+            return None
+        index, name = self._index, self._name
+        return [name(k) in index for k in check_keys(keys)]
+
     def contains_prefix(self, keys: List[bytes]) -> int:
         """Leading keys in the index. Without the I/O lock: SGLang's scheduler thread asks this while
         a worker holds the lock for a whole chunk of file I/O, and it must not wait for the disk.

@@ -263,3 +263,33 @@ def test_clear_rotates_keys_so_a_tier_that_keeps_pages_cannot_serve_them(conns):
     assert tier.contains_prefix(old) == 8  # the stale pages are still in the tier ...
     assert c.lookup(new, deep=True) == 0  # ... but no lookup of these tokens reaches them
     assert not c.load(new, rand_slots(8, 1, 22)).ok
+
+
+class HoldsTier(GatedTier):
+    """A tier that can say from local state which keys it holds (as the storage tier's index does)."""
+
+    def holds_locally(self, keys):
+        return [k in self.pages for k in keys]
+
+
+def test_host_victims_the_first_tier_already_holds_are_not_spilled_again(conns):
+    kv = mha(ps=1, layers=4, heads=4, dim=64)
+    tier = HoldsTier(write_through=False)
+    tier.gate.set()
+    c = conns(kv, cfg(host_tokens=16), [tier])
+    a = c.page_keys(list(range(8)))
+    assert c.store(a, rand_slots(8, 1, 1)).ok
+    assert c.store(c.page_keys(list(range(100, 108))), rand_slots(8, 1, 2)).ok
+    assert c.store(c.page_keys(list(range(200, 208))), rand_slots(8, 1, 3)).ok  # evicts a: spilled
+    assert c.drain(5) and tier.contains_prefix(a) == 8
+    assert c.metrics()["pages_spilled"] == 8 and c.metrics()["spills_skipped_held"] == 0
+    # a comes back into the host tier from the tier (a load-back), and is evicted again: no second copy
+    slots = rand_slots(8, 1, 4)
+    assert c.lookup(a) == 8 and c.load(a, slots, fresh_slots=True).ok and c.drain(5)
+    before = c.metrics()["pages_spilled"]
+    assert c.store(c.page_keys(list(range(300, 316))), rand_slots(16, 1, 5)).ok  # evicts everything
+    assert c.drain(5)
+    m = c.metrics()
+    assert m["spills_skipped_held"] == 8  # a's pages: held by the tier, neither copied nor written
+    assert m["pages_spilled"] - before == 8  # the other victims (200..207) were spilled as before
+    assert tier.contains_prefix(a) == 8 and c.lookup(a) == 8  # still served, from the tier

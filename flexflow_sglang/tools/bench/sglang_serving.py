@@ -182,7 +182,8 @@ def run_backend(name: str, model: str, args) -> dict:
     server = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
                           dp_size=args.dp_size, page_size=args.page_size,
                           max_running_requests=max(4, args.max_concurrency),
-                          extra_args=["--enable-metrics", "--dtype", args.dtype], **kw)
+                          extra_args=["--enable-metrics", "--dtype", args.dtype],
+                          env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None, **kw)
     try:
         server.start()
     except ServerStartError as e:
@@ -288,6 +289,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
     ap.add_argument("--page-size", type=int, default=None,
                     help="SGLang --page-size of every server (default: SGLang's, 1); the tiers' pages follow it")
+    ap.add_argument("--forward-threads", type=int, default=0,
+                    help="OMP_NUM_THREADS of every server (0: torch's default, all cores); 1 on a 2-core machine "
+                         "leaves a core to flexflow's transfer engine, as a GPU server's host CPU has")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
     args = ap.parse_args(argv)
@@ -327,7 +331,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     workload = {k: getattr(args, k) for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len",
                                               "gsp_question_len", "gsp_output_len", "max_concurrency",
                                               "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
-                                              "storage", "config", "dp_size", "page_size")}
+                                              "storage", "config", "dp_size", "page_size", "forward_threads")}
     out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
            "model_path": model, "workload": workload, "results": results, "summary": summary}
     with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:

@@ -172,6 +172,7 @@ def run(args) -> dict:
     res = {"command": "flexflow bench prefetch " + " ".join(args.argv), "commit": measured_commit(), "model": model,
            "model_name": model_name, "dtype": dtype, "kv_bytes_per_token": kv_bytes_per_token_of(model, dtype),
            "targets": args.targets, "prefix_tokens": args.prefix_tokens, "blocker_tokens": args.blocker_tokens,
+           "forward_threads": args.forward_threads,
            "modes": {}}
 
     def server(name: str, policy: str) -> SGLangServer:
@@ -180,7 +181,8 @@ def run(args) -> dict:
             yaml.safe_dump(bench_config(storage, args.host_tokens, policy), f)
         return SGLangServer(model, os.path.join(args.out, f"server-{name}.log"), radix_cache_backend="flexflow",
                             flexflow_config=cfg, max_total_tokens=args.max_total_tokens, max_running_requests=1,
-                            extra_args=["--enable-metrics", "--dtype", dtype], timeout=args.start_timeout)
+                            extra_args=["--enable-metrics", "--dtype", dtype], timeout=args.start_timeout,
+                            env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None)
 
     bar = tqdm(total=1 + 2 * len(modes), desc="bench prefetch", unit="phase")
     from flexflow_sglang.tools.server_utils import generate
@@ -258,6 +260,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=16384)
     ap.add_argument("--max-total-tokens", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--forward-threads", type=int, default=0,
+                    help="OMP_NUM_THREADS of every server (0: torch's default, all cores); 1 on a 2-core machine "
+                         "leaves a core to the transfer engine, as a GPU server's host CPU has")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
     args.argv = argv

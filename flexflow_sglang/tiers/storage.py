@@ -709,7 +709,11 @@ class StorageTier(KVTier):
         fds = np.zeros(n, dtype=np.int64)
         status = np.zeros(n, dtype=np.int64)
         st_size = np.zeros(n, dtype=np.int64)
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:  # the directory itself is gone: every page is a miss, never an error
+            log.warning("storage tier: cannot open %s: %s", self.path, e.strerror)
+            return []
         try:
             k = _fb.open_regular(dfd, blob, n, os.getuid(), size, fds, status, st_size)
         finally:

@@ -15,9 +15,10 @@ failed reservation runs it unreserved.
 
 Background jobs (`submit` / `poll`): a bounded priority queue (fetch, prefetch, spill,
 write-through) served by `workers` daemon threads. Write-back jobs (spill, write-through) run on at
-most `workers - 1` of them, so a fetch or prefetch (a request waits on it) never queues behind a
-write-back backlog on a slow link: priority orders the queue, the reserved worker orders the lanes. The bound is in bytes (`queue_bytes`, the
-staging and copies queued and running jobs hold); a job that does not fit is refused (`submit`
+most `workers - 1` of them (with one worker they share it), so a fetch or prefetch (a request waits
+on it) never queues behind a write-back backlog on a slow link: priority orders the queue, the
+reserved worker orders the lanes. The bound is in bytes (`queue_bytes`, the staging and copies
+queued and running jobs hold); a job that does not fit is refused (`submit`
 returns False, counted as dropped) - never a wait. Finished jobs are collected by `poll()` on the
 owner's thread. `mode="sync"` runs every job inline in `submit` (the ablation: today's
 synchronous behaviour).
@@ -229,8 +230,9 @@ class TransferEngine:
         """Route `units` units of `unit_bytes` from src to dst and run them: `leg(subpath, u0, u1)`
         moves units [u0, u1) along the subpath (None when unrouted), in chunks of `chunk_bytes`
         when `chunked` (`chunk_bytes` overrides the engine's for this move: a leg whose every call
-        has a high fixed cost asks for larger chunks). A chunk whose leg returns an int smaller than its size ends the move
-        (short read: the leading units moved are what counts); the return value is then
+        has a high fixed cost asks for larger chunks). A chunk whose leg returns an int smaller
+        than its size ends the move (short read: the leading units moved are what counts); the
+        return value is then
         `MoveStats.nbytes` of what moved. Exceptions propagate after the reservations are released."""
         t = self.open(src, dst, units * unit_bytes, ttft_sensitive)
         try:

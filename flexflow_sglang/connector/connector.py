@@ -26,7 +26,7 @@ import torch
 
 from ..config import FlexFlowConfig, build_topology, load_config
 from ..errors import ConfigError
-from ..tiers.base import KVTier
+from ..tiers.base import KVTier, no_wait_lookups
 from ..tiers.registry import TierContext, create_tier
 from ..transfer import Job, JobState, engine_from_config
 from ..transfer.legs import deep_prefix, tier_get, tier_put
@@ -316,7 +316,8 @@ class FlexFlowConnector:
             m = 0
             for tier in self.fetch_cost.order(self.tiers, total - n):
                 try:
-                    m = tier.contains_prefix(keys[n:])
+                    with no_wait_lookups():  # the scheduler thread asks: a busy tier is a miss, no wait
+                        m = tier.contains_prefix(keys[n:])
                 except Exception:  # noqa: BLE001 - a broken tier is a miss
                     logger.exception("flexflow: tier %s lookup failed", tier.name)
                     m = 0

@@ -156,6 +156,30 @@ def check_keys(keys: Sequence[bytes]) -> List[bytes]:
 
 
 # ---------------------------------------------------------------------------------------------
+# lookups on a thread that must not wait (SGLang's scheduler thread decodes for every request)
+# ---------------------------------------------------------------------------------------------
+
+_lookup_ctx = threading.local()
+
+
+class no_wait_lookups:
+    """Within this context (on this thread), a tier whose lookup would first wait for its own I/O
+    lock (held by an engine worker for a whole transfer over a slow link) answers 0 instead: a miss
+    now, never a stalled scheduler thread. The connector's scheduler-thread lookup uses it."""
+
+    def __enter__(self):
+        _lookup_ctx.depth = getattr(_lookup_ctx, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc):
+        _lookup_ctx.depth -= 1
+
+
+def lookups_must_not_wait() -> bool:
+    return getattr(_lookup_ctx, "depth", 0) > 0
+
+
+# ---------------------------------------------------------------------------------------------
 # checksums: CRC32 (zlib, ~2 GiB/s per core here, releases the GIL) over the page payload.
 # Several pages are summed in parallel threads. It detects truncation, torn writes, bit rot and
 # misdirected transfers; it is not a MAC (the tiers trust their own directory and peers).

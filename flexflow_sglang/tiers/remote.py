@@ -20,8 +20,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import (KVTier, as_pages, check_keys, make_agent, page_checksums, post_xfer, rendezvous_rank,
-                   unique_agent_name, wait_xfers)
+from .base import (KVTier, as_pages, check_keys, lookups_must_not_wait, make_agent, page_checksums, post_xfer,
+                   rendezvous_rank, unique_agent_name, wait_xfers)
 from .remote_peers import Peer, StagingBuffer, _Pinned
 from .trust import MAC_LEN, FrameAuth, PageMac
 from .wire import (MAX_KEYS_PER_FRAME, Frame, MsgType, WireError, int_list, pack_keys, read_frame,
@@ -83,7 +83,7 @@ class RemoteTier(KVTier):
         self._before_data_phase: Optional[Callable[[str], None]] = None  # test hook
         self.c = dict(hits=0, misses=0, bytes_read=0, bytes_written=0, pages_written=0, timeouts=0,
                       peer_down=0, failures=0, corrupt_dropped=0, parked_transfers=0, agent_recycles=0,
-                      read_s=0.0, write_s=0.0)
+                      read_s=0.0, write_s=0.0, lookups_busy=0)
         self.last_bandwidth_gbps = 0.0  # verified read bandwidth of the last get that hit
         self._router = None
         self._secret = secret
@@ -487,7 +487,11 @@ class RemoteTier(KVTier):
     # ------------------------------------------------------------------ protocol
     def contains_prefix(self, keys: List[bytes]) -> int:
         keys = check_keys(keys)[:MAX_KEYS_PER_FRAME]
-        with self.lock:
+        # on the scheduler thread (no_wait_lookups) a worker's transfer holding the lock is a miss now
+        if not self.lock.acquire(blocking=not lookups_must_not_wait()):
+            self.c["lookups_busy"] += 1
+            return 0
+        try:
             if self._closed or not keys or not self._peers:
                 return 0
             owners, groups = self._groups(keys, stop_at_unowned=True)
@@ -498,6 +502,8 @@ class RemoteTier(KVTier):
             rep = self._rpc_all(self._lookup_requests(keys, groups, usable, pin=False), deadline, MsgType.LOOKUP_OK)
             counts = {pid: self._count(f, len(groups[pid])) for pid, f in rep.items()}
             return self._leading(len(keys), owners, groups, counts)
+        finally:
+            self.lock.release()
 
     _page_hint: Optional[int] = None  # page size of the last put/get (None before the first)
 

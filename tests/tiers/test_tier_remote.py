@@ -311,3 +311,36 @@ def test_page_size_mismatch_and_no_peers(spawn_server, clients):
     assert empty.contains_prefix(keys_for(1)) == 0 and empty.put_many(keys_for(1), pages_for(1)) == 0
     empty.close()
     empty.close()
+
+
+def test_scheduler_thread_lookup_never_waits_for_a_transfer(spawn_server, clients):
+    """A worker holds the remote tier's lock for a whole transfer over a slow link. A lookup made
+    in no_wait_lookups (the connector's scheduler-thread lookup) is then a miss at once, counted;
+    the same lookup from a worker waits and gets the real answer."""
+    import threading
+
+    from flexflow_sglang.tiers.base import no_wait_lookups
+    srv = spawn_server()
+    t = clients([srv.addr])
+    ks, pg = keys_for(8), pages_for(8)
+    assert t.put_many(ks, pg) == 8
+    held, release = threading.Event(), threading.Event()
+
+    def worker():  # stands in for a transfer in flight: the lock is held until `release`
+        with t.lock:
+            held.set()
+            release.wait(10)
+    th = threading.Thread(target=worker)
+    th.start()
+    assert held.wait(5)
+    try:
+        t0 = time.perf_counter()
+        with no_wait_lookups():
+            assert t.contains_prefix(ks) == 0
+        assert time.perf_counter() - t0 < 1.0 and t.stats()["lookups_busy"] == 1
+    finally:
+        release.set()
+        th.join(5)
+    with no_wait_lookups():
+        assert t.contains_prefix(ks) == 8  # lock free again: the real answer
+    assert t.contains_prefix(ks) == 8

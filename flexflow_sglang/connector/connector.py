@@ -29,9 +29,10 @@ from ..errors import ConfigError
 from ..tiers.base import KVTier, no_wait_lookups
 from ..tiers.registry import TierContext, create_tier
 from ..transfer import Job, JobState, engine_from_config
-from ..transfer.legs import deep_prefix, tier_get, tier_put
+from ..transfer.legs import deep_prefix, tier_get
 from .executors import TransferExecutor
 from .fetch_cost import FetchCost
+from .write_back import WriteBack
 from .host_tier import HostTier, contiguous_runs
 from .layout import KVLayout
 
@@ -185,10 +186,8 @@ class FlexFlowConnector:
             "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
             "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper",
             "write_through_copied", "store_pages_short", "spills_skipped_held")}
-        # host pages pinned by queued / running write-through jobs, at most a quarter of the tier: the
-        # rest of a backlog copies its rows out, so stores always find pages to take
-        self._wt_pinned = 0
-        self._wt_pin_budget = max(1, cap_pages // 4)
+        # write-through pins at most a quarter of the host tier; a backlog beyond it copies its rows
+        self.write_back = WriteBack(self, cap_pages // 4)
         self._hits_by_tier: Dict[str, int] = {"host": 0}
         logger.info("flexflow: config %s; topology %s; selector core %s; host tier %d pages (%.1f MiB%s) on %s, "
                     "policy %s, checksums %s; deeper tiers %s; device node %s; %s",
@@ -497,7 +496,7 @@ class FlexFlowConnector:
     def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> int:
         """Copy pages that came from a deeper tier into the host tier (best effort)."""
         pages, evicted = self.host.reserve(len(keys), protect=set(keys))
-        self._spill(evicted)
+        self.write_back.spill(evicted)
         k = len(pages)
         if k:
             # one copy call, however scattered the free pages are (a torch call per run made this the
@@ -533,7 +532,7 @@ class FlexFlowConnector:
             return h
         mkeys = [keys[i] for i in missing]
         pages, evicted = self.host.reserve(len(mkeys), protect=set(keys))
-        self._spill(evicted)
+        self.write_back.spill(evicted)
         complete = len(pages) == len(mkeys)
         if not complete:  # the tier is full of protected pages: store what fits, in key order
             self._m["store_pages_short"] += len(mkeys) - len(pages)
@@ -568,85 +567,12 @@ class FlexFlowConnector:
         h.stored_pages = len(pages)
         h.done, h.ok = True, complete
         if pages:
-            self._write_through(mkeys, pages)
-
-    def _write_through(self, keys, pages) -> None:
-        """Copy freshly stored pages to deeper tiers configured write-through (persistence across
-        restarts, sharing with other instances): one engine job reading the pinned host pages. A
-        full queue drops the copy (a future miss, counted), it never waits."""
-        tiers = [t for t in self.tiers if getattr(t, "write_through", False)]
-        if not tiers:
-            return
-        keys, pages = list(keys), list(pages)
-        nbytes = len(pages) * self.layout.page_nbytes
-        if self._wt_pinned + len(pages) <= self._wt_pin_budget:
-            # zero copy: the job reads the host pages, pinned (no eviction or reuse) until it is reaped
-            self.host.pin(pages)
-            self._wt_pinned += len(pages)
-            job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, pages, tiers, None))
-        else:
-            # a backlog (a slow remote link) already pins its share of the host tier: pinning more
-            # would leave new stores no page to take (their KV then stays device-only and is lost
-            # at eviction). Copy the rows out now instead; the host pages stay evictable.
-            if not self.engine.fits(nbytes):
-                self._m["write_through_dropped"] += 1
-                return
-            rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long))
-            self._m["write_through_copied"] += 1
-            job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, [], tiers, rows))
-        if not self._submit(job):
-            if job.ctx[1]:
-                self.host.unpin(pages)
-                self._wt_pinned -= len(pages)
-            self._m["write_through_dropped"] += 1
-
-    def _write_through_run(self, job: Job):
-        keys, pages, tiers, rows = job.ctx
-        if rows is None:
-            rows = self.host.words.index_select(0, torch.as_tensor(pages, dtype=torch.long))
-        rows = rows.view(torch.uint8)
-        out = {}
-        for tier in tiers:
-            try:
-                out[tier.name] = tier_put(self.engine, tier, self.host_node, keys, rows)
-            except Exception:  # noqa: BLE001 - a failure only costs a future hit
-                logger.exception("flexflow: write-through of %d pages to %s failed", len(keys), tier.name)
-                out[tier.name] = -1
-        return out
+            self.write_back.write_through(mkeys, pages)
 
     def _store_failed(self, h: StoreHandle, why: str) -> None:
         self._m["store_failures"] += 1
         logger.warning("flexflow: host store failed (%s); the pages stay device-only", why)
         h.done, h.ok = True, False
-
-    def _spill(self, evicted) -> None:
-        """Host-tier LRU victims go to the first deeper tier: their bytes are copied out now (the
-        caller reuses the pages next), the tier write is an engine job. A full queue drops them."""
-        if not evicted or not self.tiers:
-            return
-        tier = self.tiers[0]
-        try:
-            held = tier.holds_locally([k for k, _ in evicted])
-        except Exception:  # noqa: BLE001 - no answer: spill them all
-            held = None
-        if held is not None:  # already there (prefetched from it, written through, spilled before)
-            kept = [e for e, h in zip(evicted, held) if not h]
-            self._m["spills_skipped_held"] += len(evicted) - len(kept)
-            evicted = kept
-            if not evicted:
-                return
-        keys = [k for k, _ in evicted]
-        nbytes = len(keys) * self.layout.page_nbytes
-        if not self.engine.fits(nbytes):
-            self._m["spills_dropped"] += 1
-            self._m["pages_spill_dropped"] += len(keys)
-            return
-        rows = self.host.words.index_select(0, torch.as_tensor([p for _, p in evicted], dtype=torch.long))
-        job = Job("spill", lambda j: tier_put(self.engine, tier, self.host_node, keys, rows.view(torch.uint8)),
-                  nbytes=nbytes, ctx=(keys, tier))
-        if not self._submit(job):
-            self._m["spills_dropped"] += 1
-            self._m["pages_spill_dropped"] += len(keys)
 
     # ----------------------------------------------------------------- prefetch
     def prefetch(self, keys: Optional[Sequence[bytes]] = None, *, chain=None) -> PrefetchHandle:
@@ -751,23 +677,8 @@ class FlexFlowConnector:
             self._reaping = False
 
     def _settle(self, job: Job) -> None:
-        ok = job.state == JobState.DONE
-        if job.kind == "write_through":
-            keys, pages, _, _ = job.ctx
-            if pages:
-                self.host.unpin(pages)
-                self._wt_pinned -= len(pages)
-            res = job.result if ok else None
-            if not res:
-                self._m["write_through_failures"] += 0 if job.state == JobState.CANCELLED else 1
-                return
-            self._m["pages_written_through"] += sum(max(0, v) for v in res.values())
-            self._m["write_through_failures"] += sum(1 for v in res.values() if v < 0)
-        elif job.kind == "spill":
-            if ok:
-                self._m["pages_spilled"] += int(job.result or 0)
-            elif job.state == JobState.FAILED:
-                self._m["spill_failures"] += 1
+        if job.kind in ("write_through", "spill"):
+            self.write_back.settle(job)
         elif job.kind == "prefetch":
             self._finish_prefetch(job)
         # "fetch": consumed (or abandoned) by the waiting load

@@ -1,0 +1,133 @@
+"""Write-back from the host tier to the deeper tiers, as transfer-engine jobs: write-through of
+freshly stored pages, and spills of host-tier LRU victims. The connector owns the host tier and the
+tiers; this part decides what each job reads (pinned host pages or a copy), queues it, and settles it.
+
+Write-throughs pin at most `pin_budget` host pages at a time (a quarter of the tier): a backlog on a
+slow link beyond that copies its rows into the job, so stores always find pages to take. A spill
+copies its victims out at once (the caller reuses the pages next) and skips the victims the first
+deep tier already holds (`KVTier.holds_locally`). A full engine queue drops the copy (a future miss,
+counted), never waits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ..transfer import Job, JobState
+from ..transfer.legs import tier_put
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .connector import FlexFlowConnector
+
+logger = logging.getLogger(__name__)
+
+
+class WriteBack:
+    def __init__(self, conn: "FlexFlowConnector", pin_budget: int):
+        self.conn = conn
+        self.pin_budget = max(1, int(pin_budget))
+        self.pinned = 0  # host pages pinned by queued / running write-through jobs
+
+    def _rows(self, pages: Sequence[int]) -> torch.Tensor:
+        """A copy of host-tier pages (word rows)."""
+        return self.conn.host.words.index_select(0, torch.as_tensor(list(pages), dtype=torch.long))
+
+    # ----------------------------------------------------------------- write-through
+    def write_through(self, keys, pages) -> None:
+        """Copy freshly stored pages to deeper tiers configured write-through (persistence across
+        restarts, sharing with other instances): one engine job."""
+        c = self.conn
+        tiers = [t for t in c.tiers if getattr(t, "write_through", False)]
+        if not tiers:
+            return
+        keys, pages = list(keys), list(pages)
+        nbytes = len(pages) * c.layout.page_nbytes
+        if self.pinned + len(pages) <= self.pin_budget:
+            # zero copy: the job reads the host pages, pinned (no eviction or reuse) until it is reaped
+            c.host.pin(pages)
+            self.pinned += len(pages)
+            job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, pages, tiers, None))
+        else:
+            # a backlog (a slow remote link) already pins its share of the host tier: pinning more
+            # would leave new stores no page to take (their KV then stays device-only and is lost
+            # at eviction). Copy the rows out now instead; the host pages stay evictable.
+            if not c.engine.fits(nbytes):
+                c._m["write_through_dropped"] += 1
+                return
+            rows = self._rows(pages)
+            c._m["write_through_copied"] += 1
+            job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, [], tiers, rows))
+        if not c._submit(job):
+            self._unpin(job)
+            c._m["write_through_dropped"] += 1
+
+    def _write_through_run(self, job: Job):
+        c = self.conn
+        keys, pages, tiers, rows = job.ctx
+        rows = (self._rows(pages) if rows is None else rows).view(torch.uint8)
+        out = {}
+        for tier in tiers:
+            try:
+                out[tier.name] = tier_put(c.engine, tier, c.host_node, keys, rows)
+            except Exception:  # noqa: BLE001 - a failure only costs a future hit
+                logger.exception("flexflow: write-through of %d pages to %s failed", len(keys), tier.name)
+                out[tier.name] = -1
+        return out
+
+    def _unpin(self, job: Job) -> None:
+        pages = job.ctx[1]
+        if pages:
+            self.conn.host.unpin(pages)
+            self.pinned -= len(pages)
+
+    # ----------------------------------------------------------------- spill
+    def spill(self, evicted) -> None:
+        """Host-tier LRU victims [(key, page)] go to the first deeper tier: their bytes are copied
+        out now (the caller reuses the pages next), the tier write is an engine job."""
+        c = self.conn
+        if not evicted or not c.tiers:
+            return
+        tier = c.tiers[0]
+        try:
+            held = tier.holds_locally([k for k, _ in evicted])
+        except Exception:  # noqa: BLE001 - no answer: spill them all
+            held = None
+        if held is not None:  # already there (prefetched from it, written through, spilled before)
+            kept = [e for e, h in zip(evicted, held) if not h]
+            c._m["spills_skipped_held"] += len(evicted) - len(kept)
+            evicted = kept
+            if not evicted:
+                return
+        keys = [k for k, _ in evicted]
+        nbytes = len(keys) * c.layout.page_nbytes
+        if not c.engine.fits(nbytes):
+            c._m["spills_dropped"] += 1
+            c._m["pages_spill_dropped"] += len(keys)
+            return
+        rows = self._rows([p for _, p in evicted])
+        job = Job("spill", lambda j: tier_put(c.engine, tier, c.host_node, keys, rows.view(torch.uint8)),
+                  nbytes=nbytes, ctx=(keys, tier))
+        if not c._submit(job):
+            c._m["spills_dropped"] += 1
+            c._m["pages_spill_dropped"] += len(keys)
+
+    # ----------------------------------------------------------------- settle (owner's thread)
+    def settle(self, job: Job) -> None:
+        """Unpin and count a finished write-through or spill job."""
+        m, ok = self.conn._m, job.state == JobState.DONE
+        if job.kind == "write_through":
+            self._unpin(job)
+            res = job.result if ok else None
+            if not res:
+                m["write_through_failures"] += 0 if job.state == JobState.CANCELLED else 1
+                return
+            m["pages_written_through"] += sum(max(0, v) for v in res.values())
+            m["write_through_failures"] += sum(1 for v in res.values() if v < 0)
+        elif job.kind == "spill":
+            if ok:
+                m["pages_spilled"] += int(job.result or 0)
+            elif job.state == JobState.FAILED:
+                m["spill_failures"] += 1

@@ -12,21 +12,20 @@ counted), never waits.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..transfer import Job, JobState
 from ..transfer.legs import tier_put
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .connector import FlexFlowConnector
-
 logger = logging.getLogger(__name__)
 
 
 class WriteBack:
-    def __init__(self, conn: "FlexFlowConnector", pin_budget: int):
+    def __init__(self, conn: Any, pin_budget: int):
+        # conn is the owning FlexFlowConnector (host tier, tiers, engine, counters); not imported here,
+        # even for typing, so the connector -> write_back layering stays a one-way edge
         self.conn = conn
         self.pin_budget = max(1, int(pin_budget))
         self.pinned = 0  # host pages pinned by queued / running write-through jobs

@@ -185,7 +185,7 @@ class FlexFlowConnector:
             "write_through_failures", "write_through_dropped", "spills_dropped", "pages_spill_dropped",
             "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
             "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper",
-            "write_through_copied", "store_pages_short", "spills_skipped_held")}
+            "write_through_copied", "store_pages_short", "spills_skipped_held", "promote_inline")}
         # write-through pins at most a quarter of the host tier; a backlog beyond it copies its rows
         self.write_back = WriteBack(self, cap_pages // 4)
         self._hits_by_tier: Dict[str, int] = {"host": 0}
@@ -494,20 +494,12 @@ class FlexFlowConnector:
             self._hits_by_tier[name] = self._hits_by_tier.get(name, 0) + m
 
     def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> int:
-        """Copy pages that came from a deeper tier into the host tier (best effort)."""
+        """Copy pages that came from a deeper tier into the host tier (best effort, this thread)."""
         pages, evicted = self.host.reserve(len(keys), protect=set(keys))
         self.write_back.spill(evicted)
         k = len(pages)
         if k:
-            # one copy call, however scattered the free pages are (a torch call per run made this the
-            # scheduler thread's most frequent GIL hand-over while workers ran Python I/O loops)
-            runs = contiguous_runs(pages)
-            if len(runs) == 1:
-                start = runs[0][2]
-                self.host.words[start:start + k].copy_(staging[:k])
-            else:
-                self.host.words.index_copy_(0, torch.as_tensor(pages, dtype=torch.long), staging[:k])
-            self.host.commit(keys[:k], pages)
+            self._copy_in(keys[:k], pages, staging[:k])
         return k
 
     # ----------------------------------------------------------------- store
@@ -630,20 +622,75 @@ class FlexFlowConnector:
         h, gen = job.ctx[0], job.ctx[1]
         if len(job.ctx) > 3:
             self._m["prefetch_capped"] += 1
-        h.done = True
         if job.state != JobState.DONE or job.result is None:
+            h.done = True
             h.failed = job.state != JobState.DONE
             if h.failed:
                 self._m["prefetch_failures"] += 1
             return
         got, staging, hits = job.result
         if gen != self._gen or self._closed:
+            h.done = True
             self._m["prefetch_discarded"] += 1  # cleared meanwhile: the KV is stale
             return
-        if got > 0:
-            k = self._promote(h.keys[:got], staging[:got])
+        if got <= 0:
+            h.done = True
+            return
+        keys = h.keys[:got]
+        pages, evicted = self.host.reserve(got, protect=set(keys))
+        self.write_back.spill(evicted)
+        k = len(pages)
+        if k and self._promote_async(h, keys[:k], pages, staging[:k]):
+            return  # done when the copy job settles (_finish_promote)
+        h.done = True
+        if k:
+            self._copy_in(keys[:k], pages, staging[:k])
             h.pages = k
             self._m["prefetch_pages"] += k
+
+    def _copy_in(self, keys: Sequence[bytes], pages: Sequence[int], staging: torch.Tensor) -> None:
+        """Write staged pages into reserved host pages and make them visible (this thread)."""
+        _copy_rows(self.host.words, pages, staging)
+        self.host.commit(keys, pages)
+
+    def _promote_async(self, h: PrefetchHandle, keys, pages, staging: torch.Tensor) -> bool:
+        """Copy a finished prefetch's staging into its reserved host pages on an engine worker (with
+        the page hashes, where the host tier takes them from the caller): 128 MiB of copy and hash
+        cost ~0.1-0.45 s, which on this thread every running request waited for. The pages stay
+        reserved (invisible, never evicted) until the job settles; the handle is done then.
+        False: run it here (sync engine, or the queue bound refuses it)."""
+        if not self.engine.is_async:
+            return False
+        words = self.host.words  # the job keeps this buffer alive even if the tier closes meanwhile
+        hashed = bool(getattr(self.host, "fused_hash", False) and self.host.verify_checksums)
+        job = Job("promote", lambda j: _promote_rows(words, pages, staging, hashed),
+                  nbytes=len(pages) * self.layout.page_nbytes, ctx=(h, self._gen, keys, pages, staging))
+        if not self.engine.submit(job):
+            self._m["promote_inline"] += 1
+            return False
+        return True
+
+    def _finish_promote(self, job: Job) -> None:
+        h, gen, keys, pages, staging = job.ctx
+        h.done = True
+        if self._closed:
+            return
+        if gen != self._gen:
+            self.host.release(pages)
+            self._m["prefetch_discarded"] += 1
+            return
+        if job.state != JobState.DONE:  # cancelled before it ran (close, clear) or failed: copy here
+            if job.state == JobState.FAILED:
+                self._m["prefetch_failures"] += 1
+                self.host.release(pages)
+                return
+            self._copy_in(keys, pages, staging)
+        elif job.result is not None:
+            self.host.commit(keys, pages, job.result)
+        else:
+            self.host.commit(keys, pages)
+        h.pages = len(pages)
+        self._m["prefetch_pages"] += len(pages)
 
     # ----------------------------------------------------------------- engine jobs
     def _submit(self, job: Job) -> bool:
@@ -681,13 +728,20 @@ class FlexFlowConnector:
             self.write_back.settle(job)
         elif job.kind == "prefetch":
             self._finish_prefetch(job)
+        elif job.kind == "promote":
+            self._finish_promote(job)
         # "fetch": consumed (or abandoned) by the waiting load
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait for every queued and running engine job and settle them (tests, shutdown paths)."""
-        ok = self.engine.drain(timeout)
-        self._reap()
-        return ok
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ok = self.engine.drain(left)
+            before = self.engine.c["submitted"]
+            self._reap()  # settling may queue a follow-up job (a prefetch's promote): drain that too
+            if not ok or self.engine.c["submitted"] == before:
+                return ok
 
     # ----------------------------------------------------------------- async bookkeeping
     def poll(self) -> int:
@@ -784,6 +838,27 @@ class FlexFlowConnector:
             selector_impl=self.selector.impl,
         )
         return m
+
+
+def _copy_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor) -> None:
+    """staging's rows into words[pages]: one copy call, however scattered the pages are (a torch
+    call per run was the scheduler thread's most frequent GIL hand-over while workers ran I/O)."""
+    runs = contiguous_runs(pages)
+    if len(runs) == 1:
+        start = runs[0][2]
+        words[start:start + len(pages)].copy_(staging)
+    else:
+        words.index_copy_(0, torch.as_tensor(list(pages), dtype=torch.long), staging)
+
+
+def _promote_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor, hashed: bool):
+    """Engine worker: the promotion copy, and the pages' hashes (computed on the staging rows, which
+    the copy reproduces exactly) when the host tier takes them from the caller."""
+    _copy_rows(words, pages, staging)
+    if not hashed:
+        return None
+    from .copy_kernels import hash_rows
+    return hash_rows(staging, range(len(pages)))
 
 
 def _pick(pages: torch.Tensor, idx: List[int], n: int) -> torch.Tensor:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, List, Optional, Tuple
 
-#: job kinds, in priority order (lower runs first): a fetch blocks a load-back, a prefetch a queued
-#: request; write-back copies only cost a future hit when late
-PRIORITY = {"fetch": 0, "prefetch": 1, "spill": 2, "write_through": 3}
+#: job kinds, in priority order (lower runs first): a fetch blocks a load-back; a promote (a finished
+#: prefetch's copy into the host tier) is the last step before a queued request can run, a prefetch
+#: the first; write-back copies only cost a future hit when late
+PRIORITY = {"fetch": 0, "promote": 1, "prefetch": 2, "spill": 3, "write_through": 4}
 #: background copies: they never take the engine's last free worker (engine.writeback_limit)
 WRITE_BACK = frozenset({"spill", "write_through"})
 
@@ -32,7 +33,7 @@ class JobState(str, Enum):
 
 @dataclass(eq=False)
 class Job:
-    kind: str                          # "fetch" | "prefetch" | "spill" | "write_through"
+    kind: str                          # "fetch" | "promote" | "prefetch" | "spill" | "write_through"
     run: Callable[["Job"], Any]        # worker body; returns the result
     nbytes: int = 0                    # bytes the job holds (staging, copies): counted against the queue bound
     ctx: Any = None                    # owner data (keys, pinned pages, ...), read back on poll

@@ -194,6 +194,60 @@ def test_prefetch_brings_deep_pages_into_host(conns):
     assert c.metrics()["prefetch_pages"] == 10
 
 
+def test_prefetch_promotion_copies_on_a_worker_and_a_clear_meanwhile_frees_its_pages(conns, monkeypatch):
+    """A finished prefetch's copy into the host tier (and its page hashes) runs on an engine worker,
+    not on the thread that polls (SGLang's scheduler thread, which decodes meanwhile): its pages stay
+    reserved and invisible until the copy settles; a clear meanwhile gives them back, none land."""
+    import flexflow_sglang.connector.connector as conn_mod
+    gate, threads, real = threading.Event(), [], conn_mod._promote_rows
+
+    def gated(*a):
+        threads.append(threading.current_thread().name)
+        gate.wait(10)
+        return real(*a)
+    monkeypatch.setattr(conn_mod, "_promote_rows", gated)
+    kv = mha(ps=1)
+    tier = GatedTier(write_through=False)
+    tier.gate.set()
+    c = conns(kv, cfg(host_tokens=16), [tier])
+    a = c.page_keys(list(range(16)))
+    src = rand_slots(16, 1, 21)
+    snap = snapshot(kv, src)
+    c.store(a, src)
+    c.store(c.page_keys(list(range(700, 716))), rand_slots(16, 1, 22))  # all of a -> the tier
+    assert c.drain(5) and c.host.contains_prefix(a) == 0 and tier.contains_prefix(a) == 16
+    c.host.clear()
+    cap = c.host.free_pages
+
+    def promote_pending(h):
+        end = time.monotonic() + 5
+        while not threads and time.monotonic() < end:
+            c.poll()  # settles the prefetch: reserves host pages, queues the copy
+            time.sleep(0.01)
+        return bool(threads) and not h.done
+
+    h = c.prefetch(a[:10])
+    assert promote_pending(h)
+    assert threads[-1] != threading.current_thread().name and threads[-1].startswith(c.engine.name)
+    assert c.lookup(a, deep=False) == 0 and c.host.free_pages == cap - 10  # reserved, not visible
+    gate.set()
+    assert c.drain(5) and h.done and h.pages == 10 and not h.failed and c.lookup(a, deep=False) == 10
+    dst = rand_slots(10, 1, 23)
+    r = c.load(a[:10], dst)  # verifies the hashes the worker took
+    assert r.ok and r.host_pages == 10 and same(kv, dst, [(k[:10], v[:10]) for k, v in snap])
+    assert c.host.checksum_failures == 0
+
+    c.host.clear()
+    gate.clear()
+    threads.clear()
+    h2 = c.prefetch(a[:12])
+    assert promote_pending(h2)
+    threading.Timer(0.2, gate.set).start()
+    c.clear()  # waits for the running copy; its pages are stale: released, not committed
+    assert h2.done and h2.pages == 0 and c.lookup(a, deep=False) == 0 and c.host.free_pages == cap
+    assert c.metrics()["prefetch_discarded"] >= 1
+
+
 def test_prefetch_cancel_clear_and_failure_are_misses(conns):
     kv = mha(ps=1)
     tier = GatedTier(write_through=False)

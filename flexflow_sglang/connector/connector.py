@@ -494,11 +494,12 @@ class FlexFlowConnector:
             self._hits_by_tier[name] = self._hits_by_tier.get(name, 0) + m
 
     def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> int:
-        """Copy pages that came from a deeper tier into the host tier (best effort, this thread)."""
+        """Copy pages a load read from a deeper tier into the host tier (best effort): on an engine
+        worker when there is one (the staging is this call's own), else here."""
         pages, evicted = self.host.reserve(len(keys), protect=set(keys))
         self.write_back.spill(evicted)
         k = len(pages)
-        if k:
+        if k and not self._promote_async(None, keys[:k], pages, staging[:k]):
             self._copy_in(keys[:k], pages, staging[:k])
         return k
 
@@ -653,17 +654,20 @@ class FlexFlowConnector:
         _copy_rows(self.host.words, pages, staging)
         self.host.commit(keys, pages)
 
-    def _promote_async(self, h: PrefetchHandle, keys, pages, staging: torch.Tensor) -> bool:
-        """Copy a finished prefetch's staging into its reserved host pages on an engine worker (with
-        the page hashes, where the host tier takes them from the caller): 128 MiB of copy and hash
-        cost ~0.1-0.45 s, which on this thread every running request waited for. The pages stay
-        reserved (invisible, never evicted) until the job settles; the handle is done then.
-        False: run it here (sync engine, or the queue bound refuses it)."""
+    def _promote_async(self, h: Optional[PrefetchHandle], keys, pages, staging: torch.Tensor) -> bool:
+        """Copy staged deep pages (a finished prefetch's, `h` its handle; or a load's, h None) into
+        their reserved host pages on an engine worker, with the page hashes where the host tier
+        takes them from the caller: 128 MiB of copy and hash took 0.1-0.45 s, which on this thread
+        every running request waited for. The pages stay reserved (invisible, never evicted) until
+        the job settles; the handle is done then. False: run it here (sync engine, or the engine
+        is closed)."""
         if not self.engine.is_async:
             return False
         words = self.host.words  # the job keeps this buffer alive even if the tier closes meanwhile
         hashed = bool(getattr(self.host, "fused_hash", False) and self.host.verify_checksums)
-        job = Job("promote", lambda j: _promote_rows(words, pages, staging, hashed),
+        # unbounded: the staging exists already (the prefetch that filled it has released its bytes);
+        # counted, so new prefetches are granted less while it waits
+        job = Job("promote", lambda j: _promote_rows(words, pages, staging, hashed), bounded=False,
                   nbytes=len(pages) * self.layout.page_nbytes, ctx=(h, self._gen, keys, pages, staging))
         if not self.engine.submit(job):
             self._m["promote_inline"] += 1
@@ -672,6 +676,7 @@ class FlexFlowConnector:
 
     def _finish_promote(self, job: Job) -> None:
         h, gen, keys, pages, staging = job.ctx
+        h = h if h is not None else PrefetchHandle(None)  # a load's promotion: nobody waits on it
         h.done = True
         if self._closed:
             return
@@ -689,8 +694,9 @@ class FlexFlowConnector:
             self.host.commit(keys, pages, job.result)
         else:
             self.host.commit(keys, pages)
-        h.pages = len(pages)
-        self._m["prefetch_pages"] += len(pages)
+        if job.ctx[0] is not None:
+            h.pages = len(pages)
+            self._m["prefetch_pages"] += len(pages)
 
     # ----------------------------------------------------------------- engine jobs
     def _submit(self, job: Job) -> bool:

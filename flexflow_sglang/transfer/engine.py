@@ -303,7 +303,7 @@ class TransferEngine:
             return True
         with self._cv:
             # one job larger than the whole bound still runs when nothing else is held
-            if self._held + job.nbytes > self.queue_bytes and (self._held or self._heap):
+            if job.bounded and self._held + job.nbytes > self.queue_bytes and (self._held or self._heap):
                 self.c["dropped"] += 1
                 self.c["dropped_bytes"] += job.nbytes
                 k["dropped"] += 1

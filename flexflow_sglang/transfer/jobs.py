@@ -37,6 +37,9 @@ class Job:
     run: Callable[["Job"], Any]        # worker body; returns the result
     nbytes: int = 0                    # bytes the job holds (staging, copies): counted against the queue bound
     ctx: Any = None                    # owner data (keys, pinned pages, ...), read back on poll
+    #: False: counted against the queue bound but never refused by it (a job carrying memory that
+    #: already exists, like a finished prefetch's staging: refusing it would free nothing)
+    bounded: bool = True
     state: JobState = JobState.QUEUED
     result: Any = None
     error: Optional[str] = None

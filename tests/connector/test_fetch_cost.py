@@ -90,6 +90,7 @@ def test_connector_lookup_leaves_a_slow_deep_run_to_prefill():
             assert c.host.contains_prefix(a) == 0
             # first contact: no evidence yet, so the pages are fetched (and the read is timed)
             assert c.load(a[:2], rand_slots(2, 1, 3)).ok
+            assert c.drain(5)  # the promotion into the host tier is an engine job: settle it
             # those 2 pages were promoted to the host tier; the other 6 are a deep run
             n = c.lookup(a, deep=True)
             assert n == (8 if expect_deep else 2), (rate, n, c.metrics())

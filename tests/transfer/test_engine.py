@@ -123,6 +123,21 @@ def test_full_queue_drops_never_blocks(eng):
     assert eng.drain(5) and eng.stats()["held_bytes"] == 0
 
 
+def test_an_unbounded_job_is_counted_but_never_refused(eng):
+    """A job carrying memory that exists already (a finished prefetch's staging, on its way into
+    the host tier) is never refused by the queue bound, but what it holds is counted: later bounded
+    jobs and grants see less room."""
+    gate = threading.Event()
+    assert eng.submit(Job("prefetch", lambda j: gate.wait(5), nbytes=900 << 10))
+    assert not eng.submit(Job("spill", lambda j: None, nbytes=200 << 10))  # bounded: refused
+    promote = Job("promote", lambda j: gate.wait(5), nbytes=600 << 10, bounded=False)
+    assert eng.submit(promote)
+    assert eng.stats()["held_bytes"] == 1500 << 10
+    assert not eng.submit(Job("prefetch", lambda j: None, nbytes=1 << 10))
+    gate.set()
+    assert eng.drain(5) and promote.state == JobState.DONE and eng.stats()["held_bytes"] == 0
+
+
 def test_failed_and_cancelled_jobs_come_back(eng):
     gate = threading.Event()
     eng.n_workers = 1

@@ -209,7 +209,7 @@ def run(args) -> dict:
             try:
                 m = flexflow_metrics(srv.url)
                 rec["metrics"] = {k2: v for k2, v in m.items() if any(s in k2 for s in (
-                    "prefetch", "hits_by_tier", "pages_loaded", "fetch", "load_back"))}
+                    "prefetch", "hits_by_tier", "pages_loaded", "fetch", "load_back", "promote"))}
             except Exception as e:  # noqa: BLE001
                 rec["metrics_error"] = repr(e)
         for ph in ("deep", "host"):

@@ -54,6 +54,34 @@ def test_netlab_teardown_and_stale_sweeper():
 
 
 @pytest.mark.root
+@pytest.mark.timeout(120)
+def test_tier_server_spawned_in_a_namespace_becomes_ready_and_a_bad_one_is_killed(tmp_path):
+    """The benchmarks' one tier-server launcher (stall, remote-routing): ready within the wait and
+    reachable on its lab address; one that cannot start (an unknown flag) is reported at once and
+    killed, not waited on for the whole timeout."""
+    why = _lab_skip_reason()
+    if why:
+        pytest.skip(f"network namespaces: {why}")
+    import time
+
+    from flexflow_sglang.tools.bench.contention.netlab import spawn_tier_server, wait_ready
+    with NetLab(["a", "b"]) as lab:
+        lab.link("a", "b", "1gbit")
+        good = spawn_tier_server(lab, "b", 7499, str(tmp_path), "tier-b", capacity_gb=0.01,
+                                 ucx_devs=lab.dev("b", "a"))
+        assert wait_ready(lab, [good]), (tmp_path / "tier-b.log").read_text()[-2000:]
+        assert good[0].poll() is None and (tmp_path / "tier-b.log").exists()
+        probe = lab.spawn("a", [sys.executable, "-c", f"import socket; socket.create_connection(('{lab.addr('b', 'a')}', 7499), 5)"])
+        assert probe.wait(30) == 0
+        bad = spawn_tier_server(lab, "b", 7498, str(tmp_path), "tier-bad", capacity_gb=0.01,
+                                ucx_devs=lab.dev("b", "a"), extra=["--no-such-flag"])
+        t0 = time.monotonic()
+        assert not wait_ready(lab, [bad], timeout=60)
+        assert time.monotonic() - t0 < 30 and bad[0].poll() is not None
+        assert "no-such-flag" in (tmp_path / "tier-bad.log").read_text()
+
+
+@pytest.mark.root
 @pytest.mark.nixl
 def test_selector_routes_around_congested_direct_link(tmp_path):
     why = _lab_skip_reason() or _nixl_skip_reason()

@@ -348,18 +348,6 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _spawn_tier(lab, node: str, out: str, env: dict, extra: List[str], capacity_gb: float) -> str:
-    ready = os.path.join(out, f"tier-{node}.ready")
-    if os.path.exists(ready):
-        os.unlink(ready)
-    devs = ",".join(lab.dev(node, o) for o in lab.nodes if o != node)
-    lab.spawn(node, [sys.executable, "-m", "flexflow_sglang.tiers.tier_server", "--listen", f"0.0.0.0:{TIER_PORT}",
-                     "--capacity-gb", str(capacity_gb), "--node", node, "--ready-file", ready, *extra],
-              env={**env, "UCX_NET_DEVICES": devs}, stdout=open(os.path.join(out, f"tier-{node}.log"), "wb"),
-              stderr=subprocess.STDOUT)
-    return ready
-
-
 def _run_mode(lab, mode: str, args, env: dict, config: str, prompts: str, reference: Optional[str]) -> dict:
     result = os.path.join(args.out, f"mode-{mode}.json")
     if os.path.exists(result):
@@ -426,15 +414,14 @@ def run_driver(args) -> int:
     with netlab.NetLab(["n0", "n1", "n2"]) as lab:
         for a, b in (("n0", "n1"), ("n0", "n2"), ("n1", "n2")):
             lab.link(a, b, args.rate)
-        readies = [_spawn_tier(lab, "n2", args.out, env, ["--no-relay"], args.tier_capacity_gb),
-                   _spawn_tier(lab, "n1", args.out, env, ["--relay-peers", f"n2={lab.addr('n2', 'n1')}:{TIER_PORT}"],
-                               args.tier_capacity_gb)]
-        end = time.monotonic() + 60
-        while not all(os.path.exists(r) for r in readies):
-            if time.monotonic() > end:
-                print("bench remote-routing: tier servers did not start; see tier-n*.log", file=sys.stderr)
-                return 1
-            time.sleep(0.1)
+        tiers = [netlab.spawn_tier_server(lab, node, TIER_PORT, args.out, f"tier-{node}", extra=extra, env=env,
+                                          capacity_gb=args.tier_capacity_gb,
+                                          ucx_devs=",".join(lab.dev(node, o) for o in lab.nodes if o != node))
+                 for node, extra in (("n2", ["--no-relay"]),
+                                     ("n1", ["--relay-peers", f"n2={lab.addr('n2', 'n1')}:{TIER_PORT}"]))]
+        if not netlab.wait_ready(lab, tiers):
+            print("bench remote-routing: tier servers did not start; see tier-n*.log", file=sys.stderr)
+            return 1
         owner, relay = f"{lab.addr('n2', 'n0')}:{TIER_PORT}", f"{lab.addr('n1', 'n0')}:{TIER_PORT}"
         gbs = netlab.rate_bps(args.rate) / 8e9
         configs = {}

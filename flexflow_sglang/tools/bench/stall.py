@@ -232,26 +232,6 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _start_tier_server(lab, args, env: dict, mode: str):
-    """A tier server in the `tier` namespace (its log: tier-server-<mode>.log); the process, or False
-    when it did not become ready within 60 s."""
-    ready = os.path.join(args.out, f"tier-{mode}.ready")
-    if os.path.exists(ready):
-        os.unlink(ready)
-    tier_log = open(os.path.join(args.out, f"tier-server-{mode}.log"), "wb")
-    p = lab.spawn("tier", [sys.executable, "-m", "flexflow_sglang.tiers.tier_server", "--listen",
-                           f"0.0.0.0:{TIER_PORT}", "--capacity-gb", str(args.tier_capacity_gb), "--node", "tier",
-                           "--ready-file", ready], env={**env, "UCX_NET_DEVICES": lab.dev("tier", "srv")},
-                  stdout=tier_log, stderr=subprocess.STDOUT)
-    end = time.monotonic() + 60
-    while not os.path.exists(ready):
-        if time.monotonic() > end or p.poll() is not None:
-            lab.kill(p)
-            return False
-        time.sleep(0.1)
-    return p
-
-
 def run_driver(args) -> int:
     from tqdm import tqdm
 
@@ -287,10 +267,14 @@ def run_driver(args) -> int:
         for mode in tqdm(modes, desc="bench stall", unit="mode"):
             # a fresh, empty tier server per mode: pages an earlier mode wrote would turn this
             # mode's first-pass prompts into remote hits (less compute, an unfair comparison)
-            tier = _start_tier_server(lab, args, env, mode) if mode != "off" else None
-            if tier is False:
-                print("bench stall: tier server did not start; see tier-server-*.log", file=sys.stderr)
-                return 1
+            tier = None
+            if mode != "off":
+                tier, ready = netlab.spawn_tier_server(lab, "tier", TIER_PORT, args.out, f"tier-server-{mode}",
+                                                       capacity_gb=args.tier_capacity_gb, env=env,
+                                                       ucx_devs=lab.dev("tier", "srv"))
+                if not netlab.wait_ready(lab, [(tier, ready)]):
+                    print(f"bench stall: tier server did not start; see tier-server-{mode}.log", file=sys.stderr)
+                    return 1
             result = os.path.join(args.out, f"stall-{mode}.json")
             cmd = [sys.executable, "-m", "flexflow_sglang.tools.bench.stall", "--inside", "--mode", mode, "--peer", peer,
                    "--model", model, "--result", result, "--workdir", args.out]

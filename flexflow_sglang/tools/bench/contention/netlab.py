@@ -390,6 +390,36 @@ class NetLab:
             logger.warning("NetLab: namespaces left after teardown: %s", left)
 
 
+def spawn_tier_server(lab: NetLab, node: str, port: int, out_dir: str, name: str, *, capacity_gb: float,
+                      ucx_devs: str, env: Optional[dict] = None, extra: Sequence[str] = ()
+                      ) -> Tuple[subprocess.Popen, str]:
+    """A flexflow tier server in `node`'s namespace on 0.0.0.0:`port` (a lab namespace: nothing
+    outside the lab reaches it), its log `<name>.log` in out_dir; returns (process, ready file).
+    Wait for it with `wait_ready`. The stall and remote-routing benchmarks start theirs here."""
+    import sys
+    ready = os.path.join(out_dir, f"{name}.ready")
+    if os.path.exists(ready):
+        os.unlink(ready)
+    with open(os.path.join(out_dir, f"{name}.log"), "wb") as log:
+        p = lab.spawn(node, [sys.executable, "-m", "flexflow_sglang.tiers.tier_server", "--listen", f"0.0.0.0:{port}",
+                             "--capacity-gb", str(capacity_gb), "--node", node, "--ready-file", ready, *extra],
+                      env={**(env or {}), "UCX_NET_DEVICES": ucx_devs}, stdout=log, stderr=subprocess.STDOUT)
+    return p, ready
+
+
+def wait_ready(lab: NetLab, started: Sequence[Tuple[subprocess.Popen, str]], timeout: float = 60.0) -> bool:
+    """True once every (process, ready file) is ready; False (and every one of them killed) if one
+    exits first or `timeout` seconds pass."""
+    end = time.monotonic() + timeout
+    while not all(os.path.exists(r) for _, r in started):
+        if time.monotonic() > end or any(p.poll() is not None for p, _ in started):
+            for p, _ in started:
+                lab.kill(p)
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def main(argv=None) -> int:
     """`python -m flexflow_sglang.tools.bench.contention.netlab sweep [--all]`: remove stale lab namespaces."""
     import argparse

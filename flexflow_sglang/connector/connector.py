@@ -35,6 +35,7 @@ from .fetch_cost import FetchCost
 from .write_back import WriteBack
 from .host_tier import HostTier, contiguous_runs
 from .layout import KVLayout
+from .model_identity import weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +255,10 @@ class FlexFlowConnector:
             sa = ctx.server_args
             fp.update(model=getattr(sa, "model_path", None), revision=getattr(sa, "revision", None),
                       tp_rank=ctx.tp_rank, tp_size=ctx.tp_size)
+            # the same path and revision may hold other weights later (a checkpoint saved over
+            # in place): sampled weight content and quantisation decide the keys too
+            fp.update(weights=weights_digest(fp["model"], fp["revision"]),
+                      quantization=getattr(sa, "quantization", None))
             if parallel is not None:  # None: no published layout (tests); tp_rank already names the shard
                 # the KV shard is named by the attention-TP rank: data-parallel attention replicas
                 # (different global tp_rank, same shard) must share keys, different shards never

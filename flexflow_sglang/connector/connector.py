@@ -661,21 +661,21 @@ class FlexFlowConnector:
 
     def _promote_async(self, h: Optional[PrefetchHandle], keys, pages, staging: torch.Tensor) -> bool:
         """Copy staged deep pages (a finished prefetch's, `h` its handle; or a load's, h None) into
-        their reserved host pages on an engine worker, with the page hashes where the host tier
-        takes them from the caller: 128 MiB of copy and hash took 0.1-0.45 s, which on this thread
+        their reserved host pages on an engine worker, with the pages' checksums (commit takes
+        them as they are): 128 MiB of copy and hash took 0.1-0.45 s, which on this thread
         every running request waited for. The pages stay reserved (invisible, never evicted) until
         the job settles; the handle is done then. False: run it here (sync engine, or the engine
         is closed)."""
         if not self.engine.is_async:
             return False
         words = self.host.words  # the job keeps this buffer alive even if the tier closes meanwhile
-        hashed = bool(getattr(self.host, "fused_hash", False) and self.host.verify_checksums)
+        sums_of = self.host.page_sums if self.host.verify_checksums else None
         # Not counted against the queue bound: the staging exists already (granted to the prefetch
         # that filled it). Counted, it starved the next prefetches' grants (kv128k bench_serving:
         # cached tokens 91 % -> 67 %). Still bounded: a promote sorts before every prefetch, so while
         # it waits at most the prefetches already running (one per worker, each within the bound)
         # can finish and add theirs.
-        job = Job("promote", lambda j: _promote_rows(words, pages, staging, hashed), bounded=False,
+        job = Job("promote", lambda j: _promote_rows(words, pages, staging, sums_of), bounded=False,
                   ctx=(h, self._gen, keys, pages, staging))
         if not self.engine.submit(job):
             self._m["promote_inline"] += 1
@@ -865,14 +865,11 @@ def _copy_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor)
         words.index_copy_(0, torch.as_tensor(list(pages), dtype=torch.long), staging)
 
 
-def _promote_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor, hashed: bool):
-    """Engine worker: the promotion copy, and the pages' hashes (computed on the staging rows, which
-    the copy reproduces exactly) when the host tier takes them from the caller."""
+def _promote_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor, sums_of):
+    """Engine worker: the promotion copy, then the host tier's checksums of the pages it wrote
+    (`sums_of`: the tier's page_sums; its pages are reserved to this job, nobody else writes them)."""
     _copy_rows(words, pages, staging)
-    if not hashed:
-        return None
-    from .copy_kernels import hash_rows
-    return hash_rows(staging, range(len(pages)))
+    return sums_of(pages) if sums_of is not None else None
 
 
 def _pick(pages: torch.Tensor, idx: List[int], n: int) -> torch.Tensor:

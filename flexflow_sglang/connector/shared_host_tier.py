@@ -552,13 +552,17 @@ class SharedHostTier:
             mine = (self._state[idx] == WRITING) & (self._owner[idx, 0] == self.pid)
             self._to_free(idx[mine])
 
-    def commit(self, keys: Sequence[bytes], pages: Sequence[int]) -> None:
-        """Publish reserved, written pages under `keys` (checksums taken before they become visible).
+    def commit(self, keys: Sequence[bytes], pages: Sequence[int], sums: Optional[torch.Tensor] = None) -> None:
+        """Publish reserved, written pages under `keys` (checksums taken before they become visible;
+        `sums`: this tier's page_sums of them, taken by whoever wrote them, e.g. an engine worker).
         A key another process published meanwhile keeps that copy; ours goes back to the free list."""
         if not pages:
             return
         keys, pages = list(keys)[: len(pages)], list(pages)
-        sums = self.page_sums(pages) if self.verify_checksums else None  # our own reserved pages: no lock
+        if not self.verify_checksums:
+            sums = None
+        elif sums is None or len(sums) != len(pages):
+            sums = self.page_sums(pages)  # our own reserved pages: no lock
         K = self._key_array(keys)
         with self._locked():
             existing = self._find(K)

@@ -347,3 +347,52 @@ def test_stale_segment_of_dead_processes_is_removed_at_next_start(tmp_path):
     finally:
         t.close()
     assert leftovers(tmp_path) == []
+
+
+def test_prefetch_into_the_shared_tier_copies_and_checksums_on_a_worker(tmp_path, monkeypatch):
+    """Async engine, shared host tier: a prefetch's promotion (copy and this tier's word sums) runs
+    on an engine worker; the scheduler-side commit takes those sums as they are, and a load of the
+    promoted pages verifies against them."""
+    import threading
+
+    pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from flexflow_sglang.config import config_from_dict
+    from flexflow_sglang.connector import FlexFlowConnector, InMemoryTier, KVLayout
+
+    kv = MHATokenToKVPool(size=64, page_size=1, dtype=torch.float32, head_num=2, head_dim=4, layer_num=2,
+                          device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    for b in kv.k_buffer + kv.v_buffer:
+        b.copy_(torch.randn(b.shape))
+    cfg = config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
+                            "host_tier": {"capacity_tokens": 8, "shared": True, "pin_memory": "never"}}, "<test>")
+    monkeypatch.setenv("FLEXFLOW_SHM_DIR", str(tmp_path))
+    deep = InMemoryTier(name="deep", node="nvme0")
+    conn = FlexFlowConnector(KVLayout.from_pool(kv, 1), cfg, fingerprint={"t": "promote"}, tiers=[deep],
+                             start_agent=False)
+    threads = []
+    real_sums = SharedHostTier.page_sums
+
+    def spy(self, pages):
+        threads.append(threading.current_thread().name)
+        return real_sums(self, pages)
+    try:
+        assert isinstance(conn.host, SharedHostTier) and conn.engine.is_async
+        keys = conn.page_keys(list(range(40, 46)))
+        src = torch.arange(1, 7)
+        conn.store(keys, src)
+        assert conn.drain(10) and conn.host.contains_prefix(keys) == 6
+        rows = conn.host.words[torch.as_tensor(conn.host.pages_for(keys))]
+        assert deep.put_many(keys, rows.view(torch.uint8).numpy()) == 6  # the deep tier's copy ...
+        assert conn.host.discard(keys) == 6  # ... is the only one now
+        monkeypatch.setattr(SharedHostTier, "page_sums", spy)
+        h = conn.prefetch(keys)
+        assert conn.drain(10) and h.done and h.pages == 6 and not h.failed
+        assert threads and all(t.startswith(conn.engine.name) for t in threads), threads
+        dst = torch.arange(20, 26)
+        r = conn.load(keys, dst)
+        assert r.ok and r.host_pages == 6
+        assert all(torch.equal(b[dst], b[src]) for b in kv.k_buffer + kv.v_buffer)
+    finally:
+        conn.close()

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 KEY_BYTES = 32  # blake2b digest; the deeper tiers expect 32-byte keys
 #: host tier pages are never fewer than this, whatever the configured capacity
 MIN_HOST_PAGES = 4
+#: a prefetch hands its pages over in pieces of this many bytes (promoted while the next is read)
+PREFETCH_PIECE_BYTES = 32 << 20
 
 
 def _token_bytes(token_ids) -> bytes:
@@ -89,6 +91,8 @@ class PrefetchHandle:
     cancelled: bool = False
     job: Any = field(default=None, repr=False)
     refs: int = 1                      # requests waiting on it (a prefix shared by queued requests)
+    pending: int = 0                   # landed pieces whose promotion into the host tier has not settled
+    read_done: bool = False            # the fetch job itself has ended
 
     def share(self) -> "PrefetchHandle":
         """Another queued request waits on this fetch (its prefix starts with the same deep page)."""
@@ -606,7 +610,20 @@ class FlexFlowConnector:
         granted = self.engine.grant(job, n * P) // P  # the queue bound covers prefetch staging too
         if granted < n:
             job.ctx = (h, gen, chain, n - granted)
-        return self._read_deep(h.keys, granted) if granted > 0 else (0, None, {})
+        # In pieces, each handed to the owner as it lands (promoted while the next one is read), so
+        # a request whose budget runs out (timeout policy) or that is admitted meanwhile finds the
+        # leading pages that did arrive in the host tier, as HiCache's prefetch does.
+        piece = max(1, PREFETCH_PIECE_BYTES // P)
+        got = 0
+        while got < granted:
+            m = min(piece, granted - got)
+            g, staging, _ = self._read_deep(h.keys[got:got + m], m)
+            if g > 0:
+                self.engine.deliver(Job("prefetch_piece", _never_run, ctx=(h, gen, got)), (g, staging[:g]))
+            got += g
+            if g < m:
+                break
+        return got, None, {}
 
     def _deep_chain(self, prev: bytes, tokens, pages: int, bigram: bool) -> List[bytes]:
         """Keys of the leading pages of `tokens` (chained after `prev`) that the deeper tiers hold:
@@ -625,34 +642,43 @@ class FlexFlowConnector:
         return out
 
     def _finish_prefetch(self, job: Job) -> None:
-        h, gen = job.ctx[0], job.ctx[1]
+        """The prefetch job ended: its pieces were handed over as they landed (_finish_piece); the
+        handle is done once their promotions settled too."""
+        h = job.ctx[0]
         if len(job.ctx) > 3:
             self._m["prefetch_capped"] += 1
         if job.state != JobState.DONE or job.result is None:
-            h.done = True
-            h.failed = job.state != JobState.DONE
-            if h.failed:
+            h.failed = job.state != JobState.DONE and h.pages == 0 and h.pending == 0
+            if job.state == JobState.FAILED:
                 self._m["prefetch_failures"] += 1
-            return
-        got, staging, hits = job.result
+        h.read_done = True
+        self._prefetch_settled(h)
+
+    def _finish_piece(self, job: Job) -> None:
+        """Pages [start, start + got) of a prefetch landed in its staging: reserve host pages and
+        queue their promotion (the copy runs on a worker; the pages commit when it settles)."""
+        h, gen, start = job.ctx
+        got, staging = job.result
         if gen != self._gen or self._closed:
-            h.done = True
             self._m["prefetch_discarded"] += 1  # cleared meanwhile: the KV is stale
             return
-        if got <= 0:
-            h.done = True
-            return
-        keys = h.keys[:got]
-        pages, evicted = self.host.reserve(got, protect=set(keys))
+        keys = h.keys[start:start + got]
+        pages, evicted = self.host.reserve(got, protect=set(h.keys))
         self.write_back.spill(evicted)
         k = len(pages)
-        if k and self._promote_async(h, keys[:k], pages, staging[:k]):
-            return  # done when the copy job settles (_finish_promote)
-        h.done = True
-        if k:
+        if not k:
+            return
+        h.pending += 1
+        if not self._promote_async(h, keys[:k], pages, staging[:k]):
+            h.pending -= 1
             self._copy_in(keys[:k], pages, staging[:k])
-            h.pages = k
+            h.pages += k
             self._m["prefetch_pages"] += k
+
+    @staticmethod
+    def _prefetch_settled(h: PrefetchHandle) -> None:
+        if h.read_done and h.pending <= 0:
+            h.done = True
 
     def _copy_in(self, keys: Sequence[bytes], pages: Sequence[int], staging: torch.Tensor) -> None:
         """Write staged pages into reserved host pages and make them visible (this thread)."""
@@ -683,28 +709,34 @@ class FlexFlowConnector:
         return True
 
     def _finish_promote(self, job: Job) -> None:
-        h, gen, keys, pages, staging = job.ctx
-        h = h if h is not None else PrefetchHandle(None)  # a load's promotion: nobody waits on it
-        h.done = True
+        h = job.ctx[0]  # None: a load's promotion, nobody waits on it
+        try:
+            if self._commit_promoted(job) and h is not None:
+                h.pages += len(job.ctx[3])
+                self._m["prefetch_pages"] += len(job.ctx[3])
+        finally:
+            if h is not None:
+                h.pending -= 1
+                self._prefetch_settled(h)
+
+    def _commit_promoted(self, job: Job) -> bool:
+        """Make a promote job's pages visible (True), or give them back (stale, failed, closed)."""
+        _, gen, keys, pages, staging = job.ctx
         if self._closed:
-            return
+            return False
         if gen != self._gen:
             self.host.release(pages)
             self._m["prefetch_discarded"] += 1
-            return
-        if job.state != JobState.DONE:  # cancelled before it ran (close, clear) or failed: copy here
-            if job.state == JobState.FAILED:
-                self._m["prefetch_failures"] += 1
-                self.host.release(pages)
-                return
+            return False
+        if job.state == JobState.FAILED:
+            self._m["prefetch_failures"] += 1
+            self.host.release(pages)
+            return False
+        if job.state != JobState.DONE:  # cancelled before it ran (close, clear): copy here
             self._copy_in(keys, pages, staging)
-        elif job.result is not None:
-            self.host.commit(keys, pages, job.result)
         else:
-            self.host.commit(keys, pages)
-        if job.ctx[0] is not None:
-            h.pages = len(pages)
-            self._m["prefetch_pages"] += len(pages)
+            self.host.commit(keys, pages, job.result)
+        return True
 
     # ----------------------------------------------------------------- engine jobs
     def _submit(self, job: Job) -> bool:
@@ -742,6 +774,8 @@ class FlexFlowConnector:
             self.write_back.settle(job)
         elif job.kind == "prefetch":
             self._finish_prefetch(job)
+        elif job.kind == "prefetch_piece":
+            self._finish_piece(job)
         elif job.kind == "promote":
             self._finish_promote(job)
         # "fetch": consumed (or abandoned) by the waiting load
@@ -852,6 +886,10 @@ class FlexFlowConnector:
             selector_impl=self.selector.impl,
         )
         return m
+
+
+def _never_run(job: Job):  # a job handed over finished (engine.deliver) is never queued
+    raise AssertionError(f"{job.kind} job was queued")
 
 
 def _copy_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor) -> None:

@@ -379,6 +379,13 @@ class TransferEngine:
             job.cpu_s = time.thread_time() - cpu0
             job._finish(JobState.DONE, res)
 
+    def deliver(self, job: Job, result: Any) -> None:
+        """A running job hands the owner a part of its work early: `job` (created for it, never
+        queued) comes back DONE with `result` from the next poll(), before the job that made it."""
+        job._finish(JobState.DONE, result)
+        with self._cv:
+            self._finished.append(job)
+
     def poll(self) -> List[Job]:
         """Finished jobs since the last poll, in completion order (owner's thread)."""
         with self._cv:

@@ -248,6 +248,69 @@ def test_prefetch_promotion_copies_on_a_worker_and_a_clear_meanwhile_frees_its_p
     assert c.metrics()["prefetch_discarded"] >= 1
 
 
+def test_prefetch_lands_in_pieces_and_the_leading_ones_are_usable_before_the_rest(conns, monkeypatch):
+    """A prefetch hands its pages over piece by piece: while a later piece is still being read,
+    the earlier ones are already host-tier pages (what a request whose timeout budget ran out is
+    admitted with); the handle is done once every piece is promoted, with all pages counted."""
+    import flexflow_sglang.connector.connector as conn_mod
+    monkeypatch.setattr(conn_mod, "PREFETCH_PIECE_BYTES", 4 * 192)  # 4 pages of 192 B per piece
+
+    class Stepped(InMemoryTier):
+        """Reads of pages at or past `allowed` (their index in the prompt) wait: the test lets the
+        pieces through one at a time."""
+        def __init__(self):
+            super().__init__(name="stepped", node="nvme0")
+            self.write_through = False
+            self.cv = threading.Condition()
+            self.allowed = 0
+            self.index = {}
+            self.read = 0
+
+        def allow(self, n):
+            with self.cv:
+                self.allowed = n
+                self.cv.notify_all()
+
+        def get_many_into(self, keys, out_u8):
+            with self.cv:
+                if not self.cv.wait_for(lambda: max(self.index[k] for k in keys) < self.allowed, 10):
+                    return 0
+            got = super().get_many_into(keys, out_u8)
+            self.read += got
+            return got
+
+    kv = mha(ps=1)
+    tier = Stepped()
+    c = conns(kv, cfg(host_tokens=16), [tier])
+    a = c.page_keys(list(range(10)))
+    src = rand_slots(10, 1, 31)
+    snap = snapshot(kv, src)
+    c.store(a, src)
+    assert c.drain(5)
+    rows = c.host.words[torch.as_tensor(c.host.pages_for(a))]
+    assert tier.put_many(a, rows.view(torch.uint8).numpy()) == 10
+    tier.index = {k: i for i, k in enumerate(a)}
+    assert c.host.discard(a) == 10 and c.lookup(a, deep=False) == 0
+
+    h = c.prefetch(a)
+    tier.allow(4)  # the first piece (pages 0-3) only
+
+    def wait_for(cond):
+        end = time.monotonic() + 5
+        while not cond() and time.monotonic() < end:
+            c.poll()
+            time.sleep(0.01)
+        return cond()
+    assert wait_for(lambda: c.lookup(a, deep=False) == 4)
+    assert not h.done and h.pages == 4 and tier.read == 4  # the rest is still to be read
+    tier.allow(10)
+    assert c.drain(5) and h.done and not h.failed and h.pages == 10 and tier.read == 10
+    assert c.lookup(a, deep=False) == 10 and c.metrics()["prefetch_pages"] == 10
+    dst = rand_slots(10, 1, 32)
+    r = c.load(a, dst)
+    assert r.ok and r.host_pages == 10 and same(kv, dst, snap)
+
+
 def test_prefetch_cancel_clear_and_failure_are_misses(conns):
     kv = mha(ps=1)
     tier = GatedTier(write_through=False)

@@ -46,7 +46,9 @@ def test_pd_lab_routes_kv_off_the_congested_rail(tmp_path):
     assert set(fixed["rail_bytes"]) == {"rail0"}  # the baseline really used the congested rail
     busy = res["adaptive/85"]
     total = sum(busy["rail_bytes"].values())
-    assert busy["rail_bytes"].get("rail1", 0) >= 0.9 * total, busy  # around the UDP, not through it
+    # around the UDP, not through it: at 85 % load rail0 still has 15 % of its capacity free, so an
+    # equal-finish split may put up to 0.15 / 1.15 = 13 % there (CI once saw 10.3 %, one chunk's split)
+    assert busy["rail_bytes"].get("rail1", 0) >= 0.8 * total, busy
     idle = res["adaptive/0"]
     assert idle["rail_bytes"].get("rail0", 0) > 0 and idle["rail_bytes"].get("rail1", 0) > 0, idle
     # the lab left nothing behind

@@ -46,6 +46,10 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, build_tree_cache)
     register_tiers()
     _register_hooks()
+    # --attention-backend flexflow_sdpa (CPU SDPA that skips the cached prefix's queries); plain
+    # servers get it too, so benchmarks compare like with like
+    from .prefix_sdpa import register_attention_backend
+    register_attention_backend()
 
 
 def register_tiers() -> None:

@@ -154,6 +154,7 @@ class SGLangServer:
         max_running_requests: Optional[int] = None,
         python: Optional[str] = None,
         stop_grace: float = 15.0,
+        attention_backend: Optional[str] = None,
     ):
         self.model_path = os.fspath(model_path)
         self.log_path = os.path.abspath(os.fspath(log_path))
@@ -172,6 +173,9 @@ class SGLangServer:
         self.timeout = float(timeout)
         self.cpu = (not cuda_available()) if cpu is None else bool(cpu)
         self.mem_fraction_static = mem_fraction_static
+        # CPU default: SGLang's torch_native; flexflow_sdpa (backend/prefix_sdpa.py) skips the
+        # cached prefix's queries as GPU backends do
+        self.attention_backend = attention_backend or ("torch_native" if self.cpu else None)
         self.max_running_requests = max_running_requests
         self.python = python or sys.executable
         self.stop_grace = float(stop_grace)
@@ -196,8 +200,9 @@ class SGLangServer:
             "--skip-server-warmup",
         ]
         if self.cpu:
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native",
-                    "--sampling-backend", "pytorch"]
+            cmd += ["--device", "cpu", "--sampling-backend", "pytorch"]
+        if self.attention_backend:
+            cmd += ["--attention-backend", self.attention_backend]
         mem_fraction = self.mem_fraction_static
         if mem_fraction is None and self.cpu:
             mem_fraction = 0.05

@@ -50,7 +50,8 @@ def run_server(mode: str, model: str, workdir: str, prompts, args, bar) -> dict:
     srv = SGLangServer(model, os.path.join(workdir, f"server-{mode}.log"), radix_cache_backend="flexflow",
                        flexflow_config=cfg, max_total_tokens=args.max_total_tokens,
                        chunked_prefill_size=args.max_total_tokens, page_size=args.page_size,
-                       extra_args=["--enable-metrics"], timeout=args.start_timeout)
+                       extra_args=["--enable-metrics"], timeout=args.start_timeout,
+                       attention_backend=args.attention_backend)
     srv.start()
     host, device, cached, outputs = [], [], [], []
     try:
@@ -130,6 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-gb", type=float, default=2.0)
     ap.add_argument("--max-total-tokens", type=int, default=12288)
     ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--attention-backend", default=None,
+                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
+                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
+                         "whole prefix's attention on every hit)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

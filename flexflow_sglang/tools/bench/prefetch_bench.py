@@ -182,6 +182,7 @@ def run(args) -> dict:
         return SGLangServer(model, os.path.join(args.out, f"server-{name}.log"), radix_cache_backend="flexflow",
                             flexflow_config=cfg, max_total_tokens=args.max_total_tokens, max_running_requests=1,
                             extra_args=["--enable-metrics", "--dtype", dtype], timeout=args.start_timeout,
+                            attention_backend=args.attention_backend,
                             env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None)
 
     bar = tqdm(total=1 + 2 * len(modes), desc="bench prefetch", unit="phase")
@@ -259,6 +260,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--blocker-lead-s", type=float, default=0.5)
     ap.add_argument("--host-tokens", type=int, default=16384)
     ap.add_argument("--max-total-tokens", type=int, default=4096)
+    ap.add_argument("--attention-backend", default=None,
+                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
+                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
+                         "whole prefix's attention on every hit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--forward-threads", type=int, default=0,
                     help="OMP_NUM_THREADS of every server (0: torch's default, all cores); 1 on a 2-core machine "

@@ -109,6 +109,10 @@ def add_workload_args(ap, *, prompts_per_group: int, system_prompt_len: int, que
     ap.add_argument("--max-total-tokens", type=int, default=4096, help=max_total_tokens_help)
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, so that "
                                                   "kv128k really holds 128 KB per token; auto otherwise)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
+                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
+                         "whole prefix's attention on every hit)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--pass-timeout", type=float, default=1800.0)
@@ -182,7 +186,7 @@ def run_backend(name: str, model: str, args) -> dict:
     server = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
                           dp_size=args.dp_size, page_size=args.page_size,
                           max_running_requests=max(4, args.max_concurrency),
-                          extra_args=["--enable-metrics", "--dtype", args.dtype],
+                          attention_backend=args.attention_backend, extra_args=["--enable-metrics", "--dtype", args.dtype],
                           env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None, **kw)
     try:
         server.start()

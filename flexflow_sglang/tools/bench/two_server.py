@@ -110,7 +110,7 @@ def run_kind(kind: str, model: str, args) -> dict:
             log = os.path.join(args.out, f"server-{kind}-{name}.log")
             srv = SGLangServer(model, log, max_total_tokens=args.max_total_tokens, timeout=args.start_timeout,
                                max_running_requests=max(4, args.max_concurrency), radix_cache_backend="flexflow",
-                               flexflow_config=cfg, extra_args=["--enable-metrics", "--dtype", args.dtype])
+                               flexflow_config=cfg, attention_backend=args.attention_backend, extra_args=["--enable-metrics", "--dtype", args.dtype])
             servers.append(srv)
             try:
                 srv.start()

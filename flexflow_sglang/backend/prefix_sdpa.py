@@ -1,0 +1,118 @@
+"""`--attention-backend flexflow_sdpa`: SGLang's CPU attention (torch SDPA) without recomputing the
+cached prefix's queries.
+
+Why it exists: SGLang's CPU backends (`torch_native`, `flex_attention`) run every extend as if the
+whole sequence were new: they build a query as long as the sequence (`per_req_query_redudant`),
+compute causal attention for all of it, and keep only the new rows. A prefix hit then saves the
+projections and MLP of the cached tokens but none of the attention, which is O(L^2) and dominates a
+long prompt. GPU backends (FlashInfer, FA3, Triton) compute only the new tokens' queries against the
+whole KV. Measured on the kv128k preset (float32, 8 heads x 128, one thread): one layer's attention
+for a 2,048-token prefix plus 32 new tokens is 130 ms through torch_native and 5.4 ms here.
+Without this, a CPU benchmark cannot show what a KV cache saves on the hardware it is built for.
+
+What it computes: for a request with P cached tokens and S new ones, SDPA of the S new queries
+against all P + S keys with the causal mask shifted by P (key j is visible to new token i iff
+j <= P + i). A request with no cached prefix takes the torch_native path unchanged (is_causal on
+the same query), so a miss is bit-identical to torch_native. Cross-attention, encoder-decoder
+batches and sliding windows also take torch_native's path. Decode is torch_native's.
+
+Determinism, measured: in bfloat16, the new rows equal torch_native's bit for bit (60 random
+prefix/suffix shapes). In float32, oneDNN/MKL GEMMs round rows of 1-3 and 5-11-row products
+differently from larger ones, so a suffix of that size can differ in the last bit from a full
+recompute; SGLang's own linear layers have the same property (they run with M = new tokens), so a
+float32 model already is not bit-stable across hit and miss on CPU. verify_outputs compares
+servers that use the same backend.
+
+Registered by the plugin (`backend/plugin.py`) in every SGLang process, so a plain server (no
+flexflow radix cache) can use it too: benchmarks compare like with like.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+BACKEND_NAME = "flexflow_sdpa"
+
+_registered = False
+
+
+def register_attention_backend() -> None:
+    """Make `--attention-backend flexflow_sdpa` a valid choice and build it on demand. Idempotent;
+    SGLang is imported here, not at module import (the plugin runs in every process)."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend as reg
+
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+    reg(BACKEND_NAME)(_create)
+    _registered = True
+
+
+def _create(model_runner):
+    return prefix_sdpa_backend_class()(model_runner)
+
+
+_cls = None
+
+
+def prefix_sdpa_backend_class():
+    """The backend class, built on first use (it subclasses SGLang's TorchNativeAttnBackend)."""
+    global _cls
+    if _cls is not None:
+        return _cls
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class PrefixSDPAAttnBackend(TorchNativeAttnBackend):
+        """TorchNativeAttnBackend whose extend computes only the new tokens' queries."""
+
+        def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token,
+                                     req_pool_indices, seq_lens, extend_prefix_lens,
+                                     extend_seq_lens, encoder_lens: Optional[torch.Tensor] = None,
+                                     scaling=None, enable_gqa=False, causal=False,
+                                     is_cross_attn=False, sliding_window_size=None):
+            windowed = sliding_window_size is not None and sliding_window_size > -1
+            if encoder_lens is not None or is_cross_attn or not causal or windowed:
+                return super()._run_sdpa_forward_extend(
+                    query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
+                    enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
+                    sliding_window_size=sliding_window_size)
+            # [tokens, heads, dim] -> [heads, tokens, dim], as torch_native does
+            query = query.movedim(0, query.dim() - 2)
+            # one host sync for the lengths instead of three per request
+            prefix_lens = extend_prefix_lens.tolist()
+            new_lens = extend_seq_lens.tolist()
+            kv_lens = seq_lens.tolist()
+            start_q = 0
+            for i, (prefix, new, kv_len) in enumerate(zip(prefix_lens, new_lens, kv_lens)):
+                end_q = start_q + new
+                q = query[:, start_q:end_q, :]
+                tokens = req_to_token[req_pool_indices[i], :kv_len]
+                k = k_cache[tokens].movedim(0, query.dim() - 2)
+                v = v_cache[tokens].movedim(0, query.dim() - 2)
+                if not (q.dtype == k.dtype == v.dtype):
+                    k, v = k.to(q.dtype), v.to(q.dtype)
+                if prefix == 0:
+                    # a miss: exactly torch_native's call (a contiguous copy of the same query,
+                    # is_causal), so its output is bit-identical
+                    out = scaled_dot_product_attention(
+                        q.contiguous().unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=enable_gqa,
+                        scale=scaling, is_causal=True)
+                else:
+                    # SDPA's is_causal aligns the diagonal top-left; new token i sits at P + i
+                    visible = (torch.arange(kv_len, device=q.device).unsqueeze(0)
+                               <= torch.arange(prefix, prefix + new, device=q.device).unsqueeze(1))
+                    out = scaled_dot_product_attention(
+                        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=visible,
+                        enable_gqa=enable_gqa, scale=scaling)
+                output[start_q:end_q, :, :] = out.squeeze(0).movedim(query.dim() - 2, 0)
+                start_q = end_q
+            return output
+
+    _cls = PrefixSDPAAttnBackend
+    return _cls

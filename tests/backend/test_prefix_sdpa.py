@@ -1,0 +1,90 @@
+"""flexflow_sdpa: the new tokens' attention computed against the whole KV, equal to SGLang's
+torch_native (which recomputes every cached position's query) on the rows that are kept."""
+
+import pytest
+import torch
+
+from flexflow_sglang.backend.prefix_sdpa import BACKEND_NAME, prefix_sdpa_backend_class, register_attention_backend
+
+torch_native_backend = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
+
+
+def _bare(cls):
+    # _run_sdpa_forward_extend reads no state set by __init__ (which wants a ModelRunner)
+    return object.__new__(cls)
+
+
+def _batch(dtype, prefix_lens, new_lens, heads=4, kv_heads=2, dim=32, seed=0):
+    """A KV pool with each request's tokens scattered in it, and the new tokens' queries."""
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    pool = sum(kv_lens) + 16
+    k_cache = torch.randn(pool, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(pool, kv_heads, dim, generator=g).to(dtype)
+    slots = torch.randperm(pool, generator=g)[:sum(kv_lens)]
+    req_to_token = torch.zeros(len(kv_lens) + 1, max(kv_lens), dtype=torch.int64)
+    at = 0
+    for r, n in enumerate(kv_lens):
+        req_to_token[r + 1, :n] = slots[at:at + n]   # row 0 unused: pool indices are not positions
+        at += n
+    query = torch.randn(sum(new_lens), heads, dim, generator=g).to(dtype)
+    t = lambda xs: torch.tensor(xs, dtype=torch.int64)
+    return dict(query=query, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token,
+                req_pool_indices=t(range(1, len(kv_lens) + 1)), seq_lens=t(kv_lens),
+                extend_prefix_lens=t(prefix_lens), extend_seq_lens=t(new_lens))
+
+
+def _run(backend, b, **kw):
+    out = torch.empty_like(b["query"])
+    backend._run_sdpa_forward_extend(b["query"], out, b["k_cache"], b["v_cache"], b["req_to_token"],
+                                     b["req_pool_indices"], b["seq_lens"], b["extend_prefix_lens"],
+                                     b["extend_seq_lens"], None, scaling=0.125, enable_gqa=True,
+                                     causal=True, **kw)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_new_rows_match_torch_native_for_a_mixed_batch(dtype):
+    # a miss, a long prefix with a few new tokens, a short prefix with many, one new token
+    b = _batch(dtype, prefix_lens=[0, 300, 7, 129], new_lens=[40, 17, 64, 1])
+    ours = _run(_bare(prefix_sdpa_backend_class()), b)
+    native = _run(_bare(torch_native_backend.TorchNativeAttnBackend), b)
+    # the miss takes torch_native's exact call
+    assert torch.equal(ours[:40], native[:40])
+    if dtype == torch.bfloat16:
+        assert torch.equal(ours, native)
+    else:
+        # float32 GEMMs of a few rows round differently from larger ones (module docstring)
+        torch.testing.assert_close(ours, native, rtol=1e-5, atol=1e-5)
+
+
+def test_the_shifted_causal_mask_hides_later_tokens():
+    # changing a key after new token i's position must not change row i; a key before it must
+    b = _batch(torch.float32, prefix_lens=[50], new_lens=[10])
+    backend = _bare(prefix_sdpa_backend_class())
+    before = _run(backend, b)
+    slot_of = b["req_to_token"][1]
+    b["k_cache"][slot_of[55]] += 3.0           # position 55 = new token 5
+    b["v_cache"][slot_of[55]] -= 2.0
+    after = _run(backend, b)
+    assert torch.equal(before[:5], after[:5])   # tokens 50..54 cannot see position 55
+    assert not torch.allclose(before[5:], after[5:])
+
+
+def test_sliding_window_takes_torch_natives_path():
+    b = _batch(torch.bfloat16, prefix_lens=[40], new_lens=[8])
+    ours = _run(_bare(prefix_sdpa_backend_class()), b, sliding_window_size=16)
+    native = _run(_bare(torch_native_backend.TorchNativeAttnBackend), b, sliding_window_size=16)
+    assert torch.equal(ours, native)
+
+
+def test_registered_as_a_server_choice():
+    register_attention_backend()
+    register_attention_backend()            # idempotent: the plugin runs in every process
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    assert ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+    assert BACKEND_NAME in ATTENTION_BACKENDS
+    from sglang.srt.server_args import prepare_server_args
+    args = prepare_server_args(["--model-path", "/nonexistent", "--attention-backend", BACKEND_NAME])
+    assert args.attention_backend == BACKEND_NAME

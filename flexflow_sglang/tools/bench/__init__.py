@@ -74,3 +74,11 @@ def save_result(out_dir: str, name: str, result: dict, plot: Callable[[dict, str
         plot(result, os.path.join(out_dir, f"{name}.png"))
     except Exception as e:  # noqa: BLE001 - the JSON is the result
         print(f"bench {bench}: plot failed: {e}", file=sys.stderr)
+
+
+def add_attention_backend_arg(ap) -> None:
+    """`--attention-backend` of every server a benchmark starts (SGLangServer(attention_backend=))."""
+    ap.add_argument("--attention-backend", default=None,
+                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
+                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
+                         "whole prefix's attention on every hit)")

@@ -25,7 +25,7 @@ from typing import List, Optional
 
 from tqdm import tqdm
 
-from . import kv_bytes_per_token_of, measured_commit, resolve_model
+from . import add_attention_backend_arg, kv_bytes_per_token_of, measured_commit, resolve_model
 
 
 def _config(path: str, layerwise: str, capacity_gb: float) -> str:
@@ -131,10 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-gb", type=float, default=2.0)
     ap.add_argument("--max-total-tokens", type=int, default=12288)
     ap.add_argument("--start-timeout", type=float, default=300.0)
-    ap.add_argument("--attention-backend", default=None,
-                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
-                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
-                         "whole prefix's attention on every hit)")
+    add_attention_backend_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from . import kv_bytes_per_token_of, measured_commit, resolve_model, save_result
+from . import add_attention_backend_arg, kv_bytes_per_token_of, measured_commit, resolve_model, save_result
 
 POLICIES = ("best_effort", "wait_complete", "timeout", "off")
 
@@ -260,10 +260,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--blocker-lead-s", type=float, default=0.5)
     ap.add_argument("--host-tokens", type=int, default=16384)
     ap.add_argument("--max-total-tokens", type=int, default=4096)
-    ap.add_argument("--attention-backend", default=None,
-                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
-                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
-                         "whole prefix's attention on every hit)")
+    add_attention_backend_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--forward-threads", type=int, default=0,
                     help="OMP_NUM_THREADS of every server (0: torch's default, all cores); 1 on a 2-core machine "

@@ -32,6 +32,8 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
+from . import add_attention_backend_arg
+
 _PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 #: bench_serving's result keys this report keeps (its JSONL has many more)
 KEEP = ("completed", "duration", "total_input_tokens", "request_throughput", "output_throughput",
@@ -96,6 +98,7 @@ def shared_variant(config_path: str, out: str) -> str:
     return path
 
 
+
 def add_workload_args(ap, *, prompts_per_group: int, system_prompt_len: int, question_len: int,
                       output_len: int, max_total_tokens_help: Optional[str] = None) -> None:
     """The bench_serving workload and server flags every bench_serving-based benchmark takes
@@ -109,10 +112,7 @@ def add_workload_args(ap, *, prompts_per_group: int, system_prompt_len: int, que
     ap.add_argument("--max-total-tokens", type=int, default=4096, help=max_total_tokens_help)
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, so that "
                                                   "kv128k really holds 128 KB per token; auto otherwise)")
-    ap.add_argument("--attention-backend", default=None,
-                    help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
-                         "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
-                         "whole prefix's attention on every hit)")
+    add_attention_backend_arg(ap)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--pass-timeout", type=float, default=1800.0)

@@ -28,22 +28,22 @@ from ..config import FlexFlowConfig, build_topology, load_config
 from ..errors import ConfigError
 from ..tiers.base import KVTier, no_wait_lookups
 from ..tiers.registry import TierContext, create_tier
-from ..transfer import Job, JobState, engine_from_config
-from ..transfer.legs import deep_prefix, tier_get
+from ..transfer import Job, engine_from_config
+from ..transfer.legs import tier_get
 from .executors import TransferExecutor
 from .fetch_cost import FetchCost
-from .write_back import WriteBack
-from .host_tier import HostTier, contiguous_runs
+from .host_tier import HostTier
 from .layout import KVLayout
 from .model_identity import weights_digest
+from .prefetch import JOB_KINDS as PREFETCH_JOB_KINDS
+from .prefetch import PrefetchHandle, Prefetcher
+from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
 
 KEY_BYTES = 32  # blake2b digest; the deeper tiers expect 32-byte keys
 #: host tier pages are never fewer than this, whatever the configured capacity
 MIN_HOST_PAGES = 4
-#: a prefetch hands its pages over in pieces of this many bytes (promoted while the next is read)
-PREFETCH_PIECE_BYTES = 32 << 20
 
 
 def _token_bytes(token_ids) -> bytes:
@@ -77,35 +77,6 @@ class LoadResult:
 
     def __bool__(self) -> bool:
         return self.ok
-
-
-@dataclass(eq=False)
-class PrefetchHandle:
-    """What `prefetch` returns: the engine fetches the leading `keys` the deeper tiers hold into
-    the host tier in the background. `done` once the pages are committed (or it failed, was
-    dropped or discarded); `pages` = leading pages of `keys` now in the host tier because of it."""
-    keys: Optional[List[bytes]]        # None until the worker derived them from `chain`
-    done: bool = False
-    pages: int = 0
-    failed: bool = False
-    cancelled: bool = False
-    job: Any = field(default=None, repr=False)
-    refs: int = 1                      # requests waiting on it (a prefix shared by queued requests)
-    pending: int = 0                   # landed pieces whose promotion into the host tier has not settled
-    read_done: bool = False            # the fetch job itself has ended
-
-    def share(self) -> "PrefetchHandle":
-        """Another queued request waits on this fetch (its prefix starts with the same deep page)."""
-        self.refs += 1
-        return self
-
-    def cancel(self) -> None:
-        """A request waiting on it is gone (abort, flush, finished): when none is left, a queued
-        fetch skips its I/O; what a running one brings back still lands in the host tier (valid KV
-        for later requests)."""
-        self.refs -= 1
-        if self.refs <= 0:
-            self.cancelled = True
 
 
 class FlexFlowConnector:
@@ -193,6 +164,7 @@ class FlexFlowConnector:
             "write_through_copied", "store_pages_short", "spills_skipped_held", "promote_inline")}
         # write-through pins at most a quarter of the host tier; a backlog beyond it copies its rows
         self.write_back = WriteBack(self, cap_pages // 4)
+        self.prefetcher = Prefetcher(self)
         self._hits_by_tier: Dict[str, int] = {"host": 0}
         logger.info("flexflow: config %s; topology %s; selector core %s; host tier %d pages (%.1f MiB%s) on %s, "
                     "policy %s, checksums %s; deeper tiers %s; device node %s; %s",
@@ -389,7 +361,7 @@ class FlexFlowConnector:
                     return self._load_failed(n, f"host page {host_pages[changed]} was replaced during the copy")
             if deep_idx:
                 self.executor.host_to_device(staging, list(range(len(deep_idx))), _pick(dev_pages, deep_idx, n))
-                self._promote([keys[i] for i in deep_idx], staging)
+                self.prefetcher.promote([keys[i] for i in deep_idx], staging)
         except Exception as e:  # noqa: BLE001 - reported as a miss
             logger.exception("flexflow: load of %d pages failed", n)
             return self._load_failed(n, str(e))
@@ -502,16 +474,6 @@ class FlexFlowConnector:
         for name, m in hits.items():
             self._hits_by_tier[name] = self._hits_by_tier.get(name, 0) + m
 
-    def _promote(self, keys: Sequence[bytes], staging: torch.Tensor) -> int:
-        """Copy pages a load read from a deeper tier into the host tier (best effort): on an engine
-        worker when there is one (the staging is this call's own), else here."""
-        pages, evicted = self.host.reserve(len(keys), protect=set(keys))
-        self.write_back.spill(evicted)
-        k = len(pages)
-        if k and not self._promote_async(None, keys[:k], pages, staging[:k]):
-            self._copy_in(keys[:k], pages, staging[:k])
-        return k
-
     # ----------------------------------------------------------------- store
     def store(self, keys: Sequence[bytes], device_slots: torch.Tensor) -> StoreHandle:
         """Copy the device pages at `device_slots` into the host tier under `keys` (pages already held
@@ -582,161 +544,8 @@ class FlexFlowConnector:
         host tier (keys: a request's pages past its host hit). Poll until `handle.done`.
         `chain=(prev, tokens, pages, bigram)` instead of keys: the worker hashes the pages itself,
         in growing chunks, and stops at the first one no deeper tier holds (a miss costs the
-        scheduler thread no hashing)."""
-        h = PrefetchHandle(list(keys) if keys is not None else None)
-        empty = not keys if chain is None else chain[2] <= 0
-        if self._closed or empty or not self.tiers or self.prefetch_policy == "off":
-            h.done = True
-            return h
-        self._m["prefetches"] += 1
-        h.job = Job("prefetch", self._prefetch_run, ctx=(h, self._gen, chain))
-        if not self.engine.submit(h.job):
-            self._m["prefetch_dropped"] += 1
-            h.done, h.failed = True, True
-        return h
-
-    def _prefetch_run(self, job: Job):
-        h, gen, chain = job.ctx
-        if h.cancelled:
-            return None
-        if chain is not None:
-            h.keys = self._deep_chain(*chain)
-            n = len(h.keys)
-        else:
-            n = deep_prefix(self.tiers, h.keys)
-        if n <= 0:
-            return 0, None, {}
-        P = self.layout.page_nbytes
-        granted = self.engine.grant(job, n * P) // P  # the queue bound covers prefetch staging too
-        if granted < n:
-            job.ctx = (h, gen, chain, n - granted)
-        # In pieces, each handed to the owner as it lands (promoted while the next one is read), so
-        # a request whose budget runs out (timeout policy) or that is admitted meanwhile finds the
-        # leading pages that did arrive in the host tier, as HiCache's prefetch does.
-        piece = max(1, PREFETCH_PIECE_BYTES // P)
-        got = 0
-        while got < granted:
-            m = min(piece, granted - got)
-            g, staging, _ = self._read_deep(h.keys[got:got + m], m)
-            if g > 0:
-                self.engine.deliver(Job("prefetch_piece", _never_run, ctx=(h, gen, got)), (g, staging[:g]))
-            got += g
-            if g < m:
-                break
-        return got, None, {}
-
-    def _deep_chain(self, prev: bytes, tokens, pages: int, bigram: bool) -> List[bytes]:
-        """Keys of the leading pages of `tokens` (chained after `prev`) that the deeper tiers hold:
-        hashed and looked up in chunks growing 4x (worker thread; chain_keys is pure)."""
-        ps, extra = self.page_size, 1 if bigram else 0
-        out: List[bytes] = []
-        j, chunk, cur = 0, 16, prev
-        while j < pages:
-            k = min(pages, j + chunk)
-            ks = self.chain_keys(cur, tokens[j * ps:k * ps + extra], k - j, bigram)
-            m = deep_prefix(self.tiers, ks)
-            out.extend(ks[:m])
-            if m < len(ks):
-                break
-            cur, j, chunk = ks[-1], k, chunk * 4
-        return out
-
-    def _finish_prefetch(self, job: Job) -> None:
-        """The prefetch job ended: its pieces were handed over as they landed (_finish_piece); the
-        handle is done once their promotions settled too."""
-        h = job.ctx[0]
-        if len(job.ctx) > 3:
-            self._m["prefetch_capped"] += 1
-        if job.state != JobState.DONE or job.result is None:
-            h.failed = job.state != JobState.DONE and h.pages == 0 and h.pending == 0
-            if job.state == JobState.FAILED:
-                self._m["prefetch_failures"] += 1
-        h.read_done = True
-        self._prefetch_settled(h)
-
-    def _finish_piece(self, job: Job) -> None:
-        """Pages [start, start + got) of a prefetch landed in its staging: reserve host pages and
-        queue their promotion (the copy runs on a worker; the pages commit when it settles)."""
-        h, gen, start = job.ctx
-        got, staging = job.result
-        if gen != self._gen or self._closed:
-            self._m["prefetch_discarded"] += 1  # cleared meanwhile: the KV is stale
-            return
-        keys = h.keys[start:start + got]
-        pages, evicted = self.host.reserve(got, protect=set(h.keys))
-        self.write_back.spill(evicted)
-        k = len(pages)
-        if not k:
-            return
-        h.pending += 1
-        if not self._promote_async(h, keys[:k], pages, staging[:k]):
-            h.pending -= 1
-            self._copy_in(keys[:k], pages, staging[:k])
-            h.pages += k
-            self._m["prefetch_pages"] += k
-
-    @staticmethod
-    def _prefetch_settled(h: PrefetchHandle) -> None:
-        if h.read_done and h.pending <= 0:
-            h.done = True
-
-    def _copy_in(self, keys: Sequence[bytes], pages: Sequence[int], staging: torch.Tensor) -> None:
-        """Write staged pages into reserved host pages and make them visible (this thread)."""
-        _copy_rows(self.host.words, pages, staging)
-        self.host.commit(keys, pages)
-
-    def _promote_async(self, h: Optional[PrefetchHandle], keys, pages, staging: torch.Tensor) -> bool:
-        """Copy staged deep pages (a finished prefetch's, `h` its handle; or a load's, h None) into
-        their reserved host pages on an engine worker, with the pages' checksums (commit takes
-        them as they are): 128 MiB of copy and hash took 0.1-0.45 s, which on this thread
-        every running request waited for. The pages stay reserved (invisible, never evicted) until
-        the job settles; the handle is done then. False: run it here (sync engine, or the engine
-        is closed)."""
-        if not self.engine.is_async:
-            return False
-        words = self.host.words  # the job keeps this buffer alive even if the tier closes meanwhile
-        sums_of = self.host.page_sums if self.host.verify_checksums else None
-        # Not counted against the queue bound: the staging exists already (granted to the prefetch
-        # that filled it). Counted, it starved the next prefetches' grants (kv128k bench_serving:
-        # cached tokens 91 % -> 67 %). Still bounded: a promote sorts before every prefetch, so while
-        # it waits at most the prefetches already running (one per worker, each within the bound)
-        # can finish and add theirs.
-        job = Job("promote", lambda j: _promote_rows(words, pages, staging, sums_of), bounded=False,
-                  ctx=(h, self._gen, keys, pages, staging))
-        if not self.engine.submit(job):
-            self._m["promote_inline"] += 1
-            return False
-        return True
-
-    def _finish_promote(self, job: Job) -> None:
-        h = job.ctx[0]  # None: a load's promotion, nobody waits on it
-        try:
-            if self._commit_promoted(job) and h is not None:
-                h.pages += len(job.ctx[3])
-                self._m["prefetch_pages"] += len(job.ctx[3])
-        finally:
-            if h is not None:
-                h.pending -= 1
-                self._prefetch_settled(h)
-
-    def _commit_promoted(self, job: Job) -> bool:
-        """Make a promote job's pages visible (True), or give them back (stale, failed, closed)."""
-        _, gen, keys, pages, staging = job.ctx
-        if self._closed:
-            return False
-        if gen != self._gen:
-            self.host.release(pages)
-            self._m["prefetch_discarded"] += 1
-            return False
-        if job.state == JobState.FAILED:
-            self._m["prefetch_failures"] += 1
-            self.host.release(pages)
-            return False
-        if job.state != JobState.DONE:  # cancelled before it ran (close, clear): copy here
-            self._copy_in(keys, pages, staging)
-        else:
-            self.host.commit(keys, pages, job.result)
-        return True
+        scheduler thread no hashing). The work itself: connector/prefetch.py."""
+        return self.prefetcher.start(keys, chain)
 
     # ----------------------------------------------------------------- engine jobs
     def _submit(self, job: Job) -> bool:
@@ -772,12 +581,8 @@ class FlexFlowConnector:
     def _settle(self, job: Job) -> None:
         if job.kind in ("write_through", "spill"):
             self.write_back.settle(job)
-        elif job.kind == "prefetch":
-            self._finish_prefetch(job)
-        elif job.kind == "prefetch_piece":
-            self._finish_piece(job)
-        elif job.kind == "promote":
-            self._finish_promote(job)
+        elif job.kind in PREFETCH_JOB_KINDS:
+            self.prefetcher.settle(job)
         # "fetch": consumed (or abandoned) by the waiting load
 
     def drain(self, timeout: Optional[float] = None) -> bool:
@@ -886,28 +691,6 @@ class FlexFlowConnector:
             selector_impl=self.selector.impl,
         )
         return m
-
-
-def _never_run(job: Job):  # a job handed over finished (engine.deliver) is never queued
-    raise AssertionError(f"{job.kind} job was queued")
-
-
-def _copy_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor) -> None:
-    """staging's rows into words[pages]: one copy call, however scattered the pages are (a torch
-    call per run was the scheduler thread's most frequent GIL hand-over while workers ran I/O)."""
-    runs = contiguous_runs(pages)
-    if len(runs) == 1:
-        start = runs[0][2]
-        words[start:start + len(pages)].copy_(staging)
-    else:
-        words.index_copy_(0, torch.as_tensor(list(pages), dtype=torch.long), staging)
-
-
-def _promote_rows(words: torch.Tensor, pages: Sequence[int], staging: torch.Tensor, sums_of):
-    """Engine worker: the promotion copy, then the host tier's checksums of the pages it wrote
-    (`sums_of`: the tier's page_sums; its pages are reserved to this job, nobody else writes them)."""
-    _copy_rows(words, pages, staging)
-    return sums_of(pages) if sums_of is not None else None
 
 
 def _pick(pages: torch.Tensor, idx: List[int], n: int) -> torch.Tensor:

@@ -198,14 +198,14 @@ def test_prefetch_promotion_copies_on_a_worker_and_a_clear_meanwhile_frees_its_p
     """A finished prefetch's copy into the host tier (and its page hashes) runs on an engine worker,
     not on the thread that polls (SGLang's scheduler thread, which decodes meanwhile): its pages stay
     reserved and invisible until the copy settles; a clear meanwhile gives them back, none land."""
-    import flexflow_sglang.connector.connector as conn_mod
-    gate, threads, real = threading.Event(), [], conn_mod._promote_rows
+    import flexflow_sglang.connector.prefetch as prefetch_mod
+    gate, threads, real = threading.Event(), [], prefetch_mod._promote_rows
 
     def gated(*a):
         threads.append(threading.current_thread().name)
         gate.wait(10)
         return real(*a)
-    monkeypatch.setattr(conn_mod, "_promote_rows", gated)
+    monkeypatch.setattr(prefetch_mod, "_promote_rows", gated)
     kv = mha(ps=1)
     tier = GatedTier(write_through=False)
     tier.gate.set()
@@ -252,8 +252,8 @@ def test_prefetch_lands_in_pieces_and_the_leading_ones_are_usable_before_the_res
     """A prefetch hands its pages over piece by piece: while a later piece is still being read,
     the earlier ones are already host-tier pages (what a request whose timeout budget ran out is
     admitted with); the handle is done once every piece is promoted, with all pages counted."""
-    import flexflow_sglang.connector.connector as conn_mod
-    monkeypatch.setattr(conn_mod, "PREFETCH_PIECE_BYTES", 4 * 192)  # 4 pages of 192 B per piece
+    import flexflow_sglang.connector.prefetch as prefetch_mod
+    monkeypatch.setattr(prefetch_mod, "PREFETCH_PIECE_BYTES", 4 * 192)  # 4 pages of 192 B per piece
 
     class Stepped(InMemoryTier):
         """Reads of pages at or past `allowed` (their index in the prompt) wait: the test lets the

@@ -6,8 +6,9 @@ whole sequence were new: they build a query as long as the sequence (`per_req_qu
 compute causal attention for all of it, and keep only the new rows. A prefix hit then saves the
 projections and MLP of the cached tokens but none of the attention, which is O(L^2) and dominates a
 long prompt. GPU backends (FlashInfer, FA3, Triton) compute only the new tokens' queries against the
-whole KV. Measured on the kv128k preset (float32, 8 heads x 128, one thread): one layer's attention
-for a 2,048-token prefix plus 32 new tokens is 130 ms through torch_native and 5.4 ms here.
+whole KV. Measured on the kv128k preset's shapes (float32, 8 heads x 128, one thread;
+`python benchmarks/prefix_sdpa.py`): one layer's attention for a 2,048-token prefix plus 32 new tokens
+is 139 ms through torch_native and 5.8 ms here (0.04x; 0.18x at a 256-token prefix).
 Without this, a CPU benchmark cannot show what a KV cache saves on the hardware it is built for.
 
 What it computes: for a request with P cached tokens and S new ones, SDPA of the S new queries
@@ -16,12 +17,14 @@ j <= P + i). A request with no cached prefix takes the torch_native path unchang
 the same query), so a miss is bit-identical to torch_native. Cross-attention, encoder-decoder
 batches and sliding windows also take torch_native's path. Decode is torch_native's.
 
-Determinism, measured: in bfloat16, the new rows equal torch_native's bit for bit (60 random
-prefix/suffix shapes). In float32, oneDNN/MKL GEMMs round rows of 1-3 and 5-11-row products
-differently from larger ones, so a suffix of that size can differ in the last bit from a full
-recompute; SGLang's own linear layers have the same property (they run with M = new tokens), so a
-float32 model already is not bit-stable across hit and miss on CPU. verify_outputs compares
-servers that use the same backend.
+Determinism, measured (`python benchmarks/prefix_sdpa.py --shapes 300`, random prefixes 1-512 and
+suffixes 1-64): the new rows differ from torch_native's full recompute in the last bits in 5 of 300
+shapes in bfloat16 and 53 of 300 in float32 (oneDNN/MKL block a GEMM by its row count), with no
+pattern in the suffix length. So under this backend a prefix hit is not bit-identical to a miss of
+the same prompt - as with SGLang's GPU backends, and as SGLang's own linear layers already are on a
+hit (they run with M = new tokens). What stays exact: a miss is torch_native's call, and a host hit
+computes what a device hit of the same cached length computes (same call on the same KV), which is
+what verify_outputs judges (tests/server/test_real_model_server.py, case page1-flexflow-sdpa).
 
 Registered by the plugin (`backend/plugin.py`) in every SGLang process, so a plain server (no
 flexflow radix cache) can use it too: benchmarks compare like with like.

@@ -51,11 +51,11 @@ def test_new_rows_match_torch_native_for_a_mixed_batch(dtype):
     native = _run(_bare(torch_native_backend.TorchNativeAttnBackend), b)
     # the miss takes torch_native's exact call
     assert torch.equal(ours[:40], native[:40])
-    if dtype == torch.bfloat16:
-        assert torch.equal(ours, native)
-    else:
-        # float32 GEMMs of a few rows round differently from larger ones (module docstring)
-        torch.testing.assert_close(ours, native, rtol=1e-5, atol=1e-5)
+    # the hits' rows: equal up to GEMM rounding (oneDNN blocks by row count; a few shapes in either
+    # dtype differ in the last bits: backend/prefix_sdpa.py, measured by benchmarks/prefix_sdpa.py)
+    torch.testing.assert_close(ours, native)
+    # ... and the same call on the same KV gives the same bits: a host hit equals a device hit
+    assert torch.equal(ours, _run(_bare(prefix_sdpa_backend_class()), b))
 
 
 def test_the_shifted_causal_mask_hides_later_tokens():

@@ -9,9 +9,10 @@ every host-loaded prefix must equal, byte for byte, the device prefix of the sam
 read before the flush (issue 20's test; docs/correctness.md has the cause and the figures).
 
 Which modes run the real model in CI, and why: page size 1 (the default), page 4 with chunked prefill
-(prefixes split across chunks and pages), TP=2 (two shards, rank-agreed loads) and concurrency 3 (R2s
+(prefixes split across chunks and pages), TP=2 (two shards, rank-agreed loads), concurrency 3 (R2s
 of one family race, so prefixes are stitched from device and host pages; judged on the KV the
-forward pass reads, since batch composition alone moves bf16 outputs). Each case runs the three conversations
+forward pass reads, since batch composition alone moves bf16 outputs) and `--attention-backend
+flexflow_sdpa` (a hit's forward attends only the new tokens' queries). Each case runs the three conversations
 and one family (16 prompts; the multi-turn part is where a recomputed page is shared by the next turn,
 and `python benchmarks/bf16_drift.py` runs any prompt set outside CI); each costs one flexflow server start (~25 s on 2 cores) and 3 requests per
 prompt, plus a plain server for its baseline; the tiny model keeps the wider matrix (small host tier,
@@ -35,6 +36,9 @@ CASES = {  # server flags, concurrency, prompt groups (None: all 28)
     "page4-chunked": (dict(page_size=4, chunked_prefill_size=128), 1, SUBSET),
     "tp2": (dict(tp_size=2), 1, SUBSET),
     "page1-concurrent": (dict(), 3, SUBSET),
+    # the prefix-aware CPU attention (backend/prefix_sdpa.py): a host hit's forward computes only the
+    # new tokens' queries; judged against a plain server with the same backend
+    "page1-flexflow-sdpa": (dict(attention_backend="flexflow_sdpa"), 1, SUBSET),
 }
 
 

@@ -64,10 +64,11 @@ class _HostHit:
 class _Prefetch:
     """A queued request's background prefetch (transfer engine): `ready` once the ranks agreed
     the request may be scheduled (policy), `handle` the connector's PrefetchHandle (or None)."""
-    __slots__ = ("handle", "ready", "deadline")
+    __slots__ = ("handle", "ready", "deadline", "lock", "lock_tokens")
 
     def __init__(self, ready: bool):
         self.handle, self.ready, self.deadline = None, ready, float("inf")
+        self.lock, self.lock_tokens = None, 0  # device node the prefetched pages continue (locked)
 
 
 class _KeyMemo:
@@ -100,6 +101,7 @@ class FlexFlowRadixCache(RadixCache):
         # per queued request, in arrival order (identical on every rank): prefetch on arrival
         self._prefetch: "OrderedDict[CacheRequestHandle, _Prefetch]" = OrderedDict()
         self._prefetch_by_key: Dict[bytes, Any] = {}  # first deep page key -> in-flight PrefetchHandle
+        self._prefetch_lock_tokens = 0  # device tokens locked for pending prefetches (bounded)
         self._released = False
         self._prom = None
         self._dump_kv = kv_dump.dump_dir() is not None
@@ -182,6 +184,7 @@ class FlexFlowRadixCache(RadixCache):
                 ent.handle.cancel()
         self._prefetch.clear()
         self._prefetch_by_key.clear()
+        self._prefetch_lock_tokens = 0
         self._host_hits.clear()
         self._key_memo.clear()
 
@@ -572,6 +575,31 @@ class FlexFlowRadixCache(RadixCache):
         ent.deadline = time.monotonic() + tc.prefetch_timeout_base_s + \
             tc.prefetch_timeout_per_ki_token_s * (total - start) * ps / 1024.0
         self._m["prefetches_issued"] += 1
+        if not ent.ready and not ent.handle.done:
+            self._lock_device_prefix(ent, res.last_device_node, dev)
+
+    def _lock_device_prefix(self, ent: _Prefetch, node, tokens: int) -> None:
+        """Keep the device prefix the prefetched pages continue in the tree until the request may
+        be scheduled: the pages land in the host tier behind it, and if the other requests' KV
+        evicted it meanwhile (a multi-turn history evicted by the turns of other conversations),
+        they would be unreachable - a match starts at the root - and the request would recompute
+        everything (measured: 0 of 16,511 prefetched pages used). HiCache protects the node its
+        prefetch continues for the same reason. Bounded to a quarter of the device pool, so that
+        queued requests can never lock what running ones need; past it the prefetch goes unlocked."""
+        if node is None or node is self.root_node or tokens <= 0:
+            return
+        cap = getattr(self.token_to_kv_pool_allocator, "size", 0) // 4
+        if self._prefetch_lock_tokens + tokens > cap:
+            return
+        self.inc_lock_ref(node)
+        ent.lock, ent.lock_tokens = node, tokens
+        self._prefetch_lock_tokens += tokens
+
+    def _unlock_device_prefix(self, ent: _Prefetch) -> None:
+        if ent.lock is not None:
+            self.dec_lock_ref(ent.lock)
+            self._prefetch_lock_tokens -= ent.lock_tokens
+            ent.lock, ent.lock_tokens = None, 0
 
     @timed("prefetch_agreement")
     def _prefetch_tick(self) -> None:
@@ -586,6 +614,12 @@ class FlexFlowRadixCache(RadixCache):
             return
         now = time.monotonic()
         timeout = self.connector.prefetch_policy == "timeout"
+        if timeout and any(e.handle is not None and not e.handle.done and now >= e.deadline for e in pend):
+            # a budget ran out: promote the pieces that did arrive now, on this thread, so that the
+            # request is admitted with them. Their promotion jobs wait for a worker, and this thread
+            # settles jobs only between forwards: after another request's 1 s prefill, a budget
+            # often ran out with every page read and none promoted (kv128k multi-turn).
+            self.connector.land_arrived()
         local = [1 if (e.handle is None or e.handle.done or (timeout and now >= e.deadline)) else 0 for e in pend]
         if self.rank_sync.active:
             self._m["agreements"] += 1
@@ -593,6 +627,7 @@ class FlexFlowRadixCache(RadixCache):
         for e, r in zip(pend, local):
             if r:
                 e.ready = True
+                self._unlock_device_prefix(e)  # admission matches (and locks) it from here on
                 self._m["prefetch_ready"] += 1
                 if e.handle is not None and not e.handle.done:
                     self._m["prefetch_timeouts"] += 1
@@ -622,6 +657,8 @@ class FlexFlowRadixCache(RadixCache):
 
     def _forget(self, handle: CacheRequestHandle) -> None:
         ent = self._prefetch.pop(handle, None)
+        if ent is not None:
+            self._unlock_device_prefix(ent)
         if ent is not None and ent.handle is not None:
             ent.handle.cancel()  # aborted or finished: a fetch still queued skips its I/O
         self._host_hits.pop(handle, None)

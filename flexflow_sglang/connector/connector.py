@@ -161,7 +161,8 @@ class FlexFlowConnector:
             "write_through_failures", "write_through_dropped", "spills_dropped", "pages_spill_dropped",
             "fetch_timeouts", "fetch_dropped", "prefetches", "prefetch_pages", "prefetch_dropped",
             "prefetch_failures", "prefetch_discarded", "prefetch_capped", "deep_pages_recompute_cheaper",
-            "write_through_copied", "store_pages_short", "spills_skipped_held", "promote_inline")}
+            "write_through_copied", "store_pages_short", "spills_skipped_held", "write_through_skipped_held",
+            "promote_inline")}
         # write-through pins at most a quarter of the host tier; a backlog beyond it copies its rows
         self.write_back = WriteBack(self, cap_pages // 4)
         self.prefetcher = Prefetcher(self)
@@ -546,6 +547,19 @@ class FlexFlowConnector:
         in growing chunks, and stops at the first one no deeper tier holds (a miss costs the
         scheduler thread no hashing). The work itself: connector/prefetch.py."""
         return self.prefetcher.start(keys, chain)
+
+    def land_arrived(self) -> int:
+        """A queued request's prefetch budget ran out: settle the pieces that landed and run their
+        promotions here, on the owner's thread, instead of waiting for a worker (a few ms per
+        32 MiB piece), so the request is admitted with them. Returns the promotions run here."""
+        if self._closed:
+            return 0
+        self._reap()  # delivered pieces -> reserved pages, promotion jobs queued
+        n = self.engine.run_urgent("prefetch")
+        if n:
+            self._m["promote_inline"] += n
+            self._reap()  # commit them
+        return n
 
     # ----------------------------------------------------------------- engine jobs
     def _submit(self, job: Job) -> bool:

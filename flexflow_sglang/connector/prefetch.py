@@ -115,6 +115,9 @@ class Prefetcher:
             got += g
             if g < m:
                 break
+            # the earlier pieces' promotions (queued by the owner meanwhile) run here, before the
+            # next read, so what arrived is usable even while every worker is in a long job
+            c.engine.run_urgent("prefetch")
         return got, None, {}
 
     def _deep_chain(self, prev: bytes, tokens, pages: int, bigram: bool) -> List[bytes]:

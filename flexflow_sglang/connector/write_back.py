@@ -43,6 +43,11 @@ class WriteBack:
         if not tiers:
             return
         keys, pages = list(keys), list(pages)
+        tiers, lacking = self._lacking(tiers, keys)
+        if not tiers:
+            return
+        if len(lacking) < len(keys):
+            keys, pages = [keys[i] for i in lacking], [pages[i] for i in lacking]
         nbytes = len(pages) * c.layout.page_nbytes
         if self.pinned + len(pages) <= self.pin_budget:
             # zero copy: the job reads the host pages, pinned (no eviction or reuse) until it is reaped
@@ -62,6 +67,27 @@ class WriteBack:
         if not c._submit(job):
             self._unpin(job)
             c._m["write_through_dropped"] += 1
+
+    def _lacking(self, tiers, keys):
+        """(tiers that lack a page, indices of the pages some tier lacks). A page a tier already
+        holds (an earlier round of the same conversation wrote it, or it was prefetched from there
+        and has just been stored again after a host-tier eviction) needs no second write: in a
+        multi-turn workload every round resends the history the tier got before. Asked from the
+        tiers' local state (`holds_locally`, no I/O); a tier that cannot tell gets every page."""
+        need, lacking = [], set()
+        for t in tiers:
+            try:
+                held = t.holds_locally(keys)
+            except Exception:  # noqa: BLE001 - no answer: write them all
+                held = None
+            idx = range(len(keys)) if held is None else [i for i, h in enumerate(held) if not h]
+            if idx:
+                need.append(t)
+                lacking.update(idx)
+        skipped = len(keys) - len(lacking)
+        if skipped:
+            self.conn._m["write_through_skipped_held"] += skipped
+        return need, sorted(lacking)
 
     def _write_through_run(self, job: Job):
         c = self.conn

@@ -237,3 +237,48 @@ def test_a_fetch_nobody_waits_for_is_skipped(envs):
     assert h.cancelled  # nobody left: a queued fetch skips its I/O
     tier.gate.set()
     assert env.connector.drain(5) and blocker.done
+
+
+def test_the_device_prefix_a_prefetch_continues_stays_until_the_request_is_admitted(envs):
+    """The prefetch fetches the pages past the device prefix. If other requests' KV evicted that
+    prefix while the request waits (a multi-turn history pushed out by other conversations), the
+    prefetched pages would be unreachable (a match starts at the root) and the request would
+    recompute everything: the device prefix stays locked until the request may be scheduled."""
+    env, tier = envs(policy="wait_complete")
+    ids = list(range(500, 540))
+    E.serve(env, "head", ids[:20])
+    E.serve(env, "full", ids)  # written through: the tier holds all 40 pages
+    assert env.connector.drain(5) and tier.contains_prefix(env.connector.page_keys(ids)) == 40
+    env.connector.host.clear()
+    env.tree.evict(EvictParams(num_tokens=20))  # the tail leaves the device; ids[:20] stay
+    tier.gate.clear()
+    req = arrive(env, "b", ids + [1])
+    protected = env.tree.protected_size()
+    assert protected == 20 and env.tree._prefetch_lock_tokens == 20
+    env.tree.evict(EvictParams(num_tokens=10**6))  # other requests' KV pushes everything out ...
+    assert env.tree.evictable_size() == 0 and env.tree.protected_size() == 20  # ... but the locked prefix
+    tier.gate.set()
+    wait_admitted(env, req)
+    assert env.tree.protected_size() == 0 and env.tree._prefetch_lock_tokens == 0  # unlocked once ready
+    r = E.serve(env, "b", ids + [1], req=req)
+    assert r.cached_device == 20 and r.loaded == 20 and r.kv_ok  # device prefix + the prefetched pages
+
+
+def test_prefetch_locks_are_bounded_to_a_quarter_of_the_pool(envs):
+    env, tier = envs(policy="wait_complete")
+    fams = [list(range(1000 + 100 * f, 1000 + 100 * f + 24)) for f in range(3)]
+    for f, ids in enumerate(fams):
+        E.serve(env, f"f{f}", ids)  # written through: the tier holds every page
+    env.tree.evict(EvictParams(num_tokens=10**6))
+    for f, ids in enumerate(fams):
+        E.serve(env, f"h{f}", ids[:16])  # the device holds the 16-token heads only
+    assert env.connector.drain(5)
+    env.connector.host.clear()
+    tier.gate.clear()
+    reqs = [arrive(env, f"r{f}", ids + [1]) for f, ids in enumerate(fams)]
+    # the pool holds 128 tokens: locks stop at 32 (two heads of 16), the third prefetch goes unlocked
+    assert env.tree._prefetch_lock_tokens == 32 and env.tree.protected_size() == 32
+    tier.gate.set()
+    for r in reqs:
+        wait_admitted(env, r)
+    assert env.tree._prefetch_lock_tokens == 0 and env.tree.protected_size() == 0

@@ -410,3 +410,32 @@ def test_host_victims_the_first_tier_already_holds_are_not_spilled_again(conns):
     assert m["spills_skipped_held"] == 8  # a's pages: held by the tier, neither copied nor written
     assert m["pages_spilled"] - before == 8  # the other victims (200..207) were spilled as before
     assert tier.contains_prefix(a) == 8 and c.lookup(a) == 8  # still served, from the tier
+
+
+def test_write_through_skips_pages_the_tier_already_holds(conns):
+    """A multi-turn conversation resends its history every round: after a host-tier eviction the
+    recomputed history is stored again, and the write-through tier gets only the pages it lacks."""
+    kv = mha(ps=1, layers=4, heads=4, dim=64)
+    tier = HoldsTier(write_through=True)
+    tier.gate.set()
+    c = conns(kv, cfg(host_tokens=16), [tier])
+    hist = list(range(8))
+    a = c.page_keys(hist)
+    assert c.store(a, rand_slots(8, 1, 1)).ok and c.drain(5)
+    assert tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8
+    c.host.discard(a)  # evicted from the host tier; the tier keeps the pages
+    b = c.page_keys(hist + list(range(50, 54)))  # the next round: the same 8 pages, then 4 new ones
+    puts = []
+    real_put = tier.put_many
+    tier.put_many = lambda keys, rows: puts.append(list(keys)) or real_put(keys, rows)
+    assert c.store(b, rand_slots(12, 1, 2)).ok and c.drain(5)
+    m = c.metrics()
+    assert puts == [b[8:]]  # only the new pages were written
+    assert m["write_through_skipped_held"] == 8 and m["pages_written_through"] == 12
+    assert tier.contains_prefix(b) == 12
+    # every page held already: no job at all
+    c.host.discard(b)
+    before = c.engine.c["submitted"]
+    assert c.store(b, rand_slots(12, 1, 3)).ok and c.drain(5)
+    assert c.engine.c["submitted"] == before and m["write_through_skipped_held"] + 12 == \
+        c.metrics()["write_through_skipped_held"]

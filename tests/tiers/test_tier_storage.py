@@ -380,3 +380,35 @@ def test_bad_arguments(tmp_path):
 def test_nixl_reason_exposed():
     # the suite states which path it exercised
     assert NIXL_WHY == "" or isinstance(NIXL_WHY, str)
+
+
+def test_a_long_write_lets_waiting_reads_in_between_its_chunks(make, monkeypatch):
+    """A write-through of a long prompt is written chunk by chunk, the lock released between chunks,
+    and a read waiting meanwhile (a prefetch a queued request waits on) goes first: it returns while
+    the write is still running, with the right bytes, and the write still stores every page."""
+    import threading
+    import time
+    monkeypatch.setattr(storage_mod, "WRITE_CHUNK_BYTES", 2 * (HDR + P))  # 2 pages per chunk
+    t = make()
+    old_k, old_p = keys_for(4, b"old"), pages_for(4, seed=1)
+    assert t.put_many(old_k, old_p) == 4
+    real_write, chunks = t._write, []
+
+    def slow_write(*a):
+        chunks.append(time.monotonic())
+        time.sleep(0.05)  # a busy disk
+        return real_write(*a)
+    monkeypatch.setattr(t, "_write", slow_write)
+    new_k, new_p = keys_for(20, b"new"), pages_for(20, seed=2)
+    done = threading.Event()
+    th = threading.Thread(target=lambda: (t.put_many(new_k, new_p), done.set()))
+    th.start()
+    while not chunks:
+        time.sleep(0.001)
+    out = np.zeros((4, P), dtype=np.uint8)
+    assert t.get_many_into(old_k, out) == 4 and np.array_equal(out, old_p)
+    assert not done.is_set(), "the read waited for the whole write"
+    th.join(10)
+    assert done.is_set() and len(chunks) == 10
+    got = np.zeros((20, P), dtype=np.uint8)
+    assert t.get_many_into(new_k, got) == 20 and np.array_equal(got, new_p)

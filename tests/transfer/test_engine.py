@@ -106,6 +106,37 @@ def test_write_backs_never_take_the_last_worker(eng):
     assert sorted(started) == [0, 1, 2] and len(eng.poll()) == 4
 
 
+def test_a_long_job_runs_queued_urgent_jobs_between_its_steps(eng):
+    """Every worker busy (a write-back on a slow link, a prefetch reading piece after piece): a
+    promotion queued meanwhile runs on the prefetch's worker at its next step (run_urgent), not after
+    the prefetch ends; jobs that sort after the prefetch (a spill) still wait."""
+    gate, wb_started, step, resume = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+    assert eng.submit(Job("write_through", lambda j: wb_started.set() or gate.wait(10)))
+    assert wb_started.wait(5)
+    log = []
+
+    def prefetch(j):
+        log.append("piece 1")
+        step.set()
+        resume.wait(5)
+        ran = eng.run_urgent("prefetch")
+        log.append(f"piece 2 after {ran} urgent")
+        return ran
+    pf = Job("prefetch", prefetch)
+    assert eng.submit(pf) and step.wait(5)
+    assert eng.submit(Job("promote", lambda j: log.append("promote") or threading.current_thread().name,
+                          bounded=False))
+    assert eng.submit(Job("spill", lambda j: log.append("spill")))
+    resume.set()
+    assert pf.wait(5) and pf.result == 1
+    assert log == ["piece 1", "promote", "piece 2 after 1 urgent"]
+    gate.set()
+    assert eng.drain(5) and log[-1] == "spill"
+    done = {j.kind: j for j in eng.poll()}
+    assert done["promote"].state == JobState.DONE and done["promote"].result.startswith(eng.name)
+    assert eng.stats()["held_bytes"] == 0 and eng.stats()["running"] == 0
+
+
 def test_full_queue_drops_never_blocks(eng):
     gate = threading.Event()
     big = Job("write_through", lambda j: gate.wait(5), nbytes=900 << 10)

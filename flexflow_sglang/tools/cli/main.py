@@ -154,6 +154,8 @@ def cmd_bench(args) -> int:
         from flexflow_sglang.tools.bench.layerwise_bench import main as bench_main  # type: ignore
     elif args.what == "prefetch":
         from flexflow_sglang.tools.bench.prefetch_bench import main as bench_main  # type: ignore
+    elif args.what == "multiturn":
+        from flexflow_sglang.tools.bench.multiturn import main as bench_main  # type: ignore
     elif args.what == "remote-routing":
         from flexflow_sglang.tools.bench.remote_routing import main as bench_main  # type: ignore
     else:  # pragma: no cover - argparse restricts choices
@@ -230,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: selector | host-tier | serve | sglang-serving | simulate | tiers | "
                                             "contention | pd | stall | two-server | layerwise | prefetch | remote-routing | refresh (re-measure the docs' quick figures)")
     b.add_argument("what", choices=["selector", "host-tier", "serve", "sglang-serving", "simulate", "tiers", "contention",
-                                     "pd", "stall", "two-server", "layerwise", "prefetch", "remote-routing", "refresh"])
+                                     "pd", "stall", "two-server", "layerwise", "prefetch", "multiturn", "remote-routing", "refresh"])
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     b.set_defaults(func=cmd_bench)
 

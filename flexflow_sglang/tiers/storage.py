@@ -6,9 +6,7 @@ Layout (see docs/tiers.md):
   <path>/.tmp.<32 hex>.<rnd>  a write in progress; renamed into place when complete
 
 File name = blake2b-128(key, key=blake2b(fingerprint)) in hex: never built from request content,
-and the same key under another fingerprint lands elsewhere. The header (little-endian):
-  magic "FFKV" | u16 version | u16 header_len=64 | u32 checksum algo (1 = CRC32) |
-  u64 page_nbytes | 16s fingerprint hash | 16s name id | 8s payload checksum | u32 CRC32(header[:60])
+and the same key under another fingerprint lands elsewhere. The header: storage_files.py.
 Reads and writes go through NIXL's POSIX backend (DRAM <-> FILE). Without nixl the tier falls
 back to os.preadv/pwritev (logged once; stats()["backend"] says which one is active). GDS is
 created only when torch.cuda is available and libcufile loads; GDS_MT never.
@@ -36,7 +34,6 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import stat as _stat
 import struct
 import threading
@@ -47,8 +44,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import FlexFlowError
-from .base import (CHECKSUM_CRC32, KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl,
-                   make_agent, page_checksum, page_checksums, post_xfer, unique_agent_name, wait_xfers)
+from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent, page_checksum,
+                   page_checksums, post_xfer, unique_agent_name, wait_xfers)
+from .storage_files import HDR, MAGIC, _NAME_RE, _open_regular, build_header, parse_header  # noqa: F401 (re-exported)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -57,43 +55,15 @@ try:  # the per-file system calls of a batch, GIL released once (csrc/flexflow_s
 except ImportError:  # pragma: no cover - depends on the build; the Python twin does the same
     _fb = None
 
-MAGIC = b"FFKV"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sHHIQ16s16s8sI")
-HDR = HEADER.size  # 64
-assert HDR == 64
-_NAME_RE = re.compile(r"^[0-9a-f]{32}\.kv$")
 _GIB = 1 << 30
 #: put_many writes in chunks of this many bytes, the lock released between them (reads go first)
 WRITE_CHUNK_BYTES = 16 << 20
 #: the longest a write waits between two chunks for reads that queue up behind it
 READ_PRIORITY_MAX_S = 2.0
-# every open of an entry: never follow a link, never block (a FIFO opened O_RDONLY would wait for a writer)
-_RD_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class StorageTierError(FlexFlowError):
     """The storage directory cannot be used (owned by someone else, locked by another process)."""
-
-
-def _open_regular(path: str) -> Tuple[Optional[int], str]:
-    """(fd, "") of a regular file, else (None, why). Never blocks, never follows a link."""
-    try:
-        fd = os.open(path, _RD_FLAGS)
-    except OSError as e:
-        return None, f"open: {e.strerror}"
-    try:
-        st = os.fstat(fd)
-    except OSError as e:  # pragma: no cover
-        os.close(fd)
-        return None, f"fstat: {e.strerror}"
-    if not _stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        return None, f"not a regular file (mode {_stat.filemode(st.st_mode)})"
-    if st.st_uid != os.getuid():
-        os.close(fd)
-        return None, f"not a regular file of ours (owned by uid {st.st_uid})"
-    return fd, ""
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -121,35 +91,6 @@ def _gds_usable() -> Tuple[bool, str]:
     except Exception as e:  # importing torch / probing CUDA fails in many ways; any of them means no GDS
         return False, f"torch unavailable ({type(e).__name__})"  # the caller logs this reason
     return True, ""
-
-
-def build_header(page_nbytes: int, fp_hash: bytes, name_id: bytes, checksum: int) -> bytes:
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, HDR, CHECKSUM_CRC32, page_nbytes, fp_hash, name_id,
-                       checksum.to_bytes(4, "little") + b"\0" * 4, 0)
-    return head[:60] + struct.pack("<I", page_checksum(head[:60]))
-
-
-def parse_header(raw, fp_hash: bytes, name_id: bytes, page_nbytes: Optional[int]) -> Tuple[Optional[int], str]:
-    """(payload checksum, "") when the header is ours, else (None, reason)."""
-    raw = bytes(raw)
-    if len(raw) < HDR:
-        return None, "short header"
-    magic, ver, hlen, algo, pn, fph, nid, csum, hcrc = HEADER.unpack(raw[:HDR])
-    if magic != MAGIC:
-        return None, "bad magic"
-    if ver != FORMAT_VERSION or hlen != HDR:
-        return None, f"foreign format version {ver}"
-    if page_checksum(raw[:60]) != hcrc:
-        return None, "header checksum"
-    if algo != CHECKSUM_CRC32:
-        return None, f"unknown checksum algo {algo}"
-    if fph != fp_hash:
-        return None, "foreign fingerprint"
-    if nid != name_id:
-        return None, "name mismatch"
-    if page_nbytes is not None and pn != page_nbytes:
-        return None, f"page_nbytes {pn} != {page_nbytes}"
-    return int.from_bytes(csum[:4], "little"), ""
 
 
 class StorageTier(KVTier):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from flexflow_sglang.tiers import storage as storage_mod
-from flexflow_sglang.tiers.base import KVTier
+from flexflow_sglang.tiers.base import KVTier, page_checksum
 from flexflow_sglang.tiers.storage import HDR, StorageTier, StorageTierError
 
 from tier_helpers import NIXL_WHY, requires_nixl
@@ -221,7 +221,7 @@ def test_damaged_files_dropped_at_restart(make, damage):
                 struct.pack_into("<H", raw, 4, 2)
             else:
                 raw[20:36] = b"\x11" * 16
-            struct.pack_into("<I", raw, 60, storage_mod.page_checksum(bytes(raw[:60])))
+            struct.pack_into("<I", raw, 60, page_checksum(bytes(raw[:60])))
             f.seek(0)
             f.write(raw)
     t2 = make()

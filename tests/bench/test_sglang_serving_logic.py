@@ -100,3 +100,17 @@ def test_summary_compares_the_shared_tier_with_per_rank_tiers():
     # the first pass (cold tiers) is compared on its own: per-rank 0.0 here gives no ratio
     assert s["first_pass_shared_over_per_rank"]["tier_hit_ratio"] is None
     assert s["first_pass_tier_hit_ratio"] == {"per_rank": 0.0, "shared": 0.0}
+
+
+def test_outputs_are_compared_per_pass_in_request_order():
+    def run(backend, rnd, texts_by_pass):
+        passes = [{"pass": i + 1, "median_ttft_ms": 1.0, "mean_ttft_ms": 1.0, "p99_ttft_ms": 1.0,
+                   "output_throughput": 1.0, "request_throughput": 1.0, "median_itl_ms": 1.0, "cached_ratio": 0.5,
+                   "generated_texts": t} for i, t in enumerate(texts_by_pass)]
+        return {"backend": backend, "round": rnd, "ran": True, "passes": passes}
+    res = [run("baseline", 0, [["a", "b", "c"], ["a", "b", "c"]]), run("flexflow", 0, [["a", "b", "c"], ["a", "x", "c"]])]
+    got = ss.summarize(res)["outputs_vs_plain"]
+    assert got == {"round": 0, "passes": [{"pass": 1, "requests": 3, "identical": 3},
+                                          {"pass": 2, "requests": 3, "identical": 2}]}
+    res[1]["passes"][1]["generated_texts"] = None  # an older bench_serving without details: not compared
+    assert ss.compare_outputs(res, "flexflow", "baseline") is None

@@ -50,7 +50,7 @@ def run_server(mode: str, model: str, workdir: str, prompts, args, bar) -> dict:
     srv = SGLangServer(model, os.path.join(workdir, f"server-{mode}.log"), radix_cache_backend="flexflow",
                        flexflow_config=cfg, max_total_tokens=args.max_total_tokens,
                        chunked_prefill_size=args.max_total_tokens, page_size=args.page_size,
-                       extra_args=["--enable-metrics"], timeout=args.start_timeout,
+                       extra_args=["--enable-metrics", "--dtype", args.dtype], timeout=args.start_timeout,
                        attention_backend=args.attention_backend)
     srv.start()
     host, device, cached, outputs = [], [], [], []
@@ -131,11 +131,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-gb", type=float, default=2.0)
     ap.add_argument("--max-total-tokens", type=int, default=12288)
     ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--dtype", default=None,
+                    help="SGLang --dtype (default: float32 for the kv128k preset, so that it really holds 128 KB "
+                         "of KV per token; SGLang's auto serves it in float16, 64 KB; auto for a model dir)")
     add_attention_backend_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_model(args.model, args.out, "kv128k")
+    args.dtype = args.dtype or ("float32" if args.model is None else "auto")
     with open(os.path.join(model, "config.json")) as f:
         args.vocab = min(int(json.load(f)["vocab_size"]), 32000)
     rng = random.Random(args.seed)
@@ -152,14 +156,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     # the two modes must produce the same first token for every host hit (same prompts, same order)
     ref = {r["round"]: r["outputs"] for r in runs if r["mode"] == "off"}
     same = all(r["outputs"] == ref[r["round"]] for r in runs if r["mode"] == "on")
-    kvt = kv_bytes_per_token_of(model)
+    kvt = kv_bytes_per_token_of(model, args.dtype)
     summary = summarize(runs, args.prefix_tokens, kvt)
     summary["outputs_identical"] = same
     res = {"command": "flexflow bench layerwise " + " ".join(argv if argv is not None else sys.argv[1:]),
            "commit": commit, "model": model_name, "kv_bytes_per_token": kvt,
            "workload": {"families": args.families, "prefix_tokens": args.prefix_tokens,
                         "suffix_tokens": args.suffix_tokens, "repeats": args.repeats, "rounds": args.rounds,
-                        "page_size": args.page_size},
+                        "page_size": args.page_size, "dtype": args.dtype,
+                        "attention_backend": args.attention_backend},
            "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs], "summary": summary}
     path = os.path.join(args.out, "bench_layerwise.json")
     with open(path, "w") as f:

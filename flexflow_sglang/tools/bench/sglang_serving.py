@@ -61,7 +61,7 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
             "--gsp-system-prompt-len", str(args.gsp_system_prompt_len), "--gsp-question-len", str(args.gsp_question_len),
             "--gsp-output-len", str(args.gsp_output_len), "--num-prompts", str(args.gsp_num_groups * args.gsp_prompts_per_group),
             "--request-rate", "inf", "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed),
-            "--output-file", out_file, "--disable-tqdm"] + (["--tokenize-prompt"] if getattr(args, "tokenize_prompt", False) else [])
+            "--output-file", out_file, "--output-details", "--disable-tqdm"] + (["--tokenize-prompt"] if getattr(args, "tokenize_prompt", False) else [])
 
 
 BACKENDS = ("baseline", "flexflow", "flexflow-shared")
@@ -171,6 +171,9 @@ def measure_pass(url: str, log: str, model: str, jsonl: str, args, label: str, p
              and after[k] - before.get(k, 0)}
     return {"pass": pass_no, "wall_s": time.perf_counter() - t0, **{k: result.get(k) for k in KEEP},
             **tokens, "flexflow_loaded_tokens": host, "flexflow_counters": moved,
+            # per request, in the dataset's order (same seed: the same prompts in the same order on
+            # every server): compared across backends in the summary
+            "generated_texts": result.get("generated_texts"),
             # tokens loaded from flexflow's tiers (host, or deeper through it) / prompt tokens
             "tier_hit_ratio": host / prompt if prompt else 0.0}
 
@@ -223,6 +226,28 @@ def _last_pass_ratios(results: List[dict], num: str, den: str, keys, pass_index:
     return out
 
 
+def compare_outputs(results: List[dict], num: str, den: str) -> Optional[dict]:
+    """Per pass, how many requests generated the same text on both backends (first round that ran
+    both). Reported, not judged: the servers serve different cached lengths (plain recomputes what
+    flexflow loads), and on CPU a GEMM over fewer rows can round differently; like-with-like identity
+    (host hit vs device hit of the same length) is verify_outputs' job."""
+    by = {}
+    for r in results:
+        if r.get("ran") and r.get("passes"):
+            by.setdefault(r["round"], {})[r["backend"]] = r["passes"]
+    for rd in sorted(by):
+        if num in by[rd] and den in by[rd]:
+            out = []
+            for a, b in zip(by[rd][den], by[rd][num]):
+                ta, tb = a.get("generated_texts"), b.get("generated_texts")
+                if ta is None or tb is None or len(ta) != len(tb):
+                    return None
+                out.append({"pass": a.get("pass"), "requests": len(ta),
+                            "identical": sum(1 for x, y in zip(ta, tb) if x == y)})
+            return {"round": rd, "passes": out}
+    return None
+
+
 def summarize(results: List[dict]) -> dict:
     """flexflow / plain ratios of the last pass and, when both ran, shared / per-rank host tier on
     the first pass (cold tiers) and the last."""
@@ -232,6 +257,7 @@ def summarize(results: List[dict]) -> dict:
                                "request_throughput", "median_itl_ms", "cached_ratio"))
     if plain:
         out["rounds"] = plain["rounds"]
+        out["outputs_vs_plain"] = compare_outputs(results, "flexflow", "baseline")
         out["last_pass_flexflow_over_plain"] = {k: v for k, v in plain.items() if k not in ("rounds", "values")}
         out["last_pass_cached_ratio"] = {"plain": plain["values"]["baseline"]["cached_ratio"],
                                          "flexflow": plain["values"]["flexflow"]["cached_ratio"]}

@@ -33,12 +33,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import requests
 from tqdm import tqdm
 
 from . import add_attention_backend_arg, nearest_rank
+from .serve import stream_generate
 
 #: lowest token id a generated turn uses: below it sit a tokenizer's special tokens (BOS, EOS, pad)
 FIRST_PLAIN_TOKEN = 100
@@ -53,40 +54,6 @@ def make_turns(clients: int, rounds: int, system_len: int, request_len: int, voc
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(FIRST_PLAIN_TOKEN, vocab) for _ in range(n)]
     return [[draw(system_len)] + [draw(request_len) for _ in range(rounds)] for _ in range(clients)]
-
-
-def schedule(clients: int, rounds: int) -> List[tuple]:
-    """The order a FIFO of clients is served in with one worker: every client's round r before any
-    client's round r + 1 (with several workers, the order requests start in)."""
-    return [(c, r) for r in range(rounds) for c in range(clients)]
-
-
-def stream_ids(url: str, input_ids: List[int], max_new_tokens: int, timeout: float) -> dict:
-    """Streamed greedy /generate on token ids: ttft_s (first chunk), e2e_s, output_ids, meta_info."""
-    body = {"input_ids": input_ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-    t0 = time.perf_counter()
-    ttft, chunks, last = None, [], None
-    with requests.post(url.rstrip("/") + "/generate", json=body, stream=True, timeout=timeout) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"/generate -> HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines():
-            if not line or not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            last = json.loads(payload)
-            chunks.append(last.get("output_ids") or [])
-    e2e = time.perf_counter() - t0
-    meta = (last or {}).get("meta_info", {})
-    n = int(meta.get("completion_tokens", 0) or 0)
-    # SGLang streams output_ids cumulatively by default, incrementally with --incremental-streaming-output
-    flat = [t for c in chunks for t in c]
-    out = chunks[-1] if chunks and len(chunks[-1]) == n else flat
-    return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "output_ids": list(out), "meta": meta}
 
 
 def run_conversations(url: str, turns, rounds: int, output_len: int, max_parallel: int,
@@ -115,7 +82,7 @@ def run_conversations(url: str, turns, rounds: int, output_len: int, max_paralle
                 state["inflight"] += 1
                 prompt = history[c] + turns[c][r + 1]
             try:
-                res = stream_ids(url, prompt, output_len, timeout)
+                res = stream_generate(url, None, output_len, timeout, input_ids=prompt)
             except Exception as e:  # noqa: BLE001 - handed to the caller below
                 with cv:
                     state["error"] = e

@@ -41,13 +41,18 @@ def make_workload(families: int, prefix_words: int, turns: int, turn_words: int,
     return reqs
 
 
-def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float = 600.0) -> dict:
-    """Streamed greedy /generate: returns ttft_s, e2e_s and the final meta_info."""
-    body = {"text": text, "stream": True,
+def stream_generate(url: str, text: Optional[str], max_new_tokens: int, timeout: float = 600.0, *,
+                    input_ids: Optional[List[int]] = None) -> dict:
+    """Streamed greedy /generate of `text` (or of token ids, `input_ids`): returns ttft_s (first
+    chunk), e2e_s, the final meta_info and the generated output_ids."""
+    body = {"stream": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    if input_ids is not None:
+        body["input_ids"] = list(input_ids)
+    else:
+        body["text"] = text
     t0 = time.perf_counter()
-    ttft = None
-    last = None
+    ttft, chunks, last = None, [], None
     with requests.post(url.rstrip("/") + "/generate", json=body, stream=True, timeout=timeout) as r:
         if r.status_code != 200:
             raise RuntimeError(f"/generate -> HTTP {r.status_code}: {r.text[:300]}")
@@ -60,10 +65,14 @@ def stream_generate(url: str, text: str, max_new_tokens: int, timeout: float = 6
             if ttft is None:
                 ttft = time.perf_counter() - t0
             last = json.loads(payload)
+            chunks.append(last.get("output_ids") or [])
     e2e = time.perf_counter() - t0
     meta = (last or {}).get("meta_info", {})
+    n = int(meta.get("completion_tokens", 0) or 0)
+    # SGLang streams output_ids cumulatively by default, incrementally with --incremental-streaming-output
+    out = chunks[-1] if chunks and len(chunks[-1]) == n else [t for c in chunks for t in c]
     return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "meta": meta,
-            "output_ids": (last or {}).get("output_ids")}
+            "output_ids": list(out) if last is not None else None}
 
 
 def _pct(xs: List[float], q: float) -> float:

@@ -109,7 +109,7 @@ class FlexFlowRadixCache(RadixCache):
         self._dump_rank = getattr(ctx, "tp_rank", 0) if ctx is not None else 0
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
-            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued", "prefetches_shared",
+            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued", "prefetches_shared", "prefetches_skipped_absent",
             "prefetch_holds", "prefetch_timeouts", "prefetch_ready", "layerwise_load_backs")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
@@ -564,6 +564,9 @@ class FlexFlowRadixCache(RadixCache):
         # waits on that one instead of reading the same pages again.
         first_key = conn.chain_keys(chain_prev, raw[start * ps:(start + 1) * ps], 1, False)[0]
         shared = self._prefetch_by_key.get(first_key)
+        if shared is None and not conn.deep_tiers_may_hold(first_key):
+            self._m["prefetches_skipped_absent"] += 1  # nothing deeper: no job, no hold
+            return
         if shared is not None and not shared.done and not shared.cancelled:
             ent.handle = shared.share()
             self._m["prefetches_shared"] += 1

@@ -548,6 +548,21 @@ class FlexFlowConnector:
         scheduler thread no hashing). The work itself: connector/prefetch.py."""
         return self.prefetcher.start(keys, chain)
 
+    def deep_tiers_may_hold(self, key: bytes) -> bool:
+        """Could a deeper tier hold the page `key`? Answered from the tiers' local state, no I/O
+        (the scheduler thread asks before it starts a prefetch and holds a request for it). False
+        only when every tier can tell and none holds it: a request whose next page is new KV (a
+        fresh prompt, a new user turn) is then scheduled at once instead of waiting for a worker
+        to find nothing. A tier that cannot tell cheaply (remote) answers maybe."""
+        for t in self.tiers:
+            try:
+                held = t.holds_locally([key])
+            except Exception:  # noqa: BLE001 - unsure: let the prefetch look
+                return True
+            if held is None or held[0]:
+                return True
+        return False
+
     def land_arrived(self) -> int:
         """A queued request's prefetch budget ran out: settle the pieces that landed and run their
         promotions here, on the owner's thread, instead of waiting for a worker (a few ms per

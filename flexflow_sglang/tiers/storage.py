@@ -56,10 +56,8 @@ except ImportError:  # pragma: no cover - depends on the build; the Python twin 
     _fb = None
 
 _GIB = 1 << 30
-#: put_many writes in chunks of this many bytes, the lock released between them (reads go first)
+#: put_many claims, writes and publishes pages in chunks of this many bytes
 WRITE_CHUNK_BYTES = 16 << 20
-#: the longest a write waits between two chunks for reads that queue up behind it
-READ_PRIORITY_MAX_S = 2.0
 
 
 class StorageTierError(FlexFlowError):
@@ -146,9 +144,15 @@ class StorageTier(KVTier):
         self.fingerprint = fingerprint
         self._fp = fingerprint_hash(fingerprint)
         self._disk_full_retry_s = disk_full_retry_s
+        # _lock: the index, _used, _writing, counters; held by reads for their I/O, never by a
+        # write's file I/O. _io_lock (taken after _lock, never the other way): the NIXL agent, the
+        # shared header buffer and the use stamps, held by a write only to fill its headers and
+        # move its payloads (page cache speed), so a prefetch never waits on a write's file
+        # creation, fallocate, fsync or rename (kv128k multi-turn: reads waited 28 s of 33 s).
         self._lock = threading.RLock()
-        self._waiters_lock = threading.Lock()
-        self._read_waiters = 0  # reads waiting for _lock (put_many yields to them between chunks)
+        self._io_lock = threading.Lock()
+        self._writing: Dict[str, int] = {}   # names a put is writing (claimed; size reserved in _used)
+        self._cancelled: set = set()          # of those, discarded meanwhile: not published
         self._closed = False
         self._index: "OrderedDict[str, int]" = OrderedDict()  # name -> file size, LRU first
         self._used = 0
@@ -447,15 +451,11 @@ class StorageTier(KVTier):
         out = as_pages(out, len(keys), writable=True, what="out")
         P = out.shape[1]
         size = HDR + P
-        with self._waiters_lock:
-            self._read_waiters += 1  # a write between two chunks lets this read go first
-        with self._lock:
-            with self._waiters_lock:
-                self._read_waiters -= 1
+        with self._lock, self._io_lock:
             return self._get_locked(keys, out, P, size)
 
     def _get_locked(self, keys: List[bytes], out: np.ndarray, P: int, size: int) -> int:
-        """get_many_into's body, under the tier's lock."""
+        """get_many_into's body, under the tier's locks."""
         if self._closed:
             return 0
         names = []
@@ -517,11 +517,9 @@ class StorageTier(KVTier):
         """Stores the pages it does not have yet. Returns the number of leading keys the tier holds
         after the call (pages already present count).
 
-        Written in chunks of WRITE_CHUNK_BYTES, the tier's lock taken per chunk, and a read that
-        waits goes before the next chunk: one lock covers the index, the NIXL agent and the header
-        buffer, and a write-through of a long prompt (1,000 files: over a second on a busy disk)
-        held it whole, so a prefetch - which a queued request waits on - read nothing until the
-        write ended (kv128k multi-turn: 338 of 500 profile samples of reads were that wait)."""
+        Chunk by chunk (WRITE_CHUNK_BYTES): claim the names and reserve their bytes under the lock,
+        write the files without it (_io_lock only while payloads move), publish under it. A
+        concurrent put of the same pages skips the claimed ones (its count then stops there)."""
         keys = check_keys(keys)
         if not keys:
             return 0
@@ -543,12 +541,12 @@ class StorageTier(KVTier):
         seen: set = set()
         step = max(1, WRITE_CHUNK_BYTES // size)
         for start in range(0, len(names), step):
-            if start:
-                self._yield_to_reads()
             with self._lock:
                 if self._closed:
                     return 0
-                self._put_chunk(names, pages, size, range(start, min(len(names), start + step)), seen)
+                todo = self._claim(names, size, range(start, min(len(names), start + step)), seen)
+            if todo:
+                self._write(todo, names, pages, size)
         with self._lock:
             n = 0
             for nm in names:
@@ -557,48 +555,53 @@ class StorageTier(KVTier):
                 n += 1
             return n
 
-    def _put_chunk(self, names: List[str], pages: np.ndarray, size: int, idx, seen: set) -> None:
-        """Write the pages at `idx` the tier lacks (under the lock; `seen`: names this call took)."""
+    def _claim(self, names: List[str], size: int, idx, seen: set) -> List[int]:
+        """Under the lock: the pages at `idx` to write (absent, not being written by another put),
+        room made and reserved for them, their names marked as being written."""
         todo: List[int] = []
         for i in idx:
             nm = names[i]
             if nm in self._index:
                 self._index.move_to_end(nm)
-            elif nm not in seen:
+            elif nm not in seen and nm not in self._writing:
                 seen.add(nm)
                 todo.append(i)
         if todo and time.monotonic() < self._degraded_until:
             self._c["writes_skipped"] += len(todo)
-            todo = []
+            return []
         if todo:
             protect = set(names)
             fit = max(0, self.capacity_bytes // size)
             todo = todo[:fit]
             while todo and not self._evict_to(self.capacity_bytes - len(todo) * size, protect):
                 todo.pop()
-        if todo:
-            self._write(todo, names, pages, size)
+        for i in todo:
+            self._writing[names[i]] = size
+        self._used += len(todo) * size
+        return todo
 
-    def _yield_to_reads(self) -> None:
-        """Between two write chunks: let reads that wait for the lock go first (bounded, so that a
-        stream of reads cannot stall a write-back for good)."""
-        end = time.monotonic() + READ_PRIORITY_MAX_S
-        while self._read_waiters > 0 and time.monotonic() < end:
-            time.sleep(0.001)
+    def _unclaim(self, nms: List[str]) -> None:
+        """Under the lock: names claimed by _claim that will not be published."""
+        for nm in nms:
+            size = self._writing.pop(nm, None)
+            if size is not None:
+                self._used -= size
+            self._cancelled.discard(nm)
 
     def _write(self, todo: List[int], names: List[str], pages: np.ndarray, size: int) -> None:
+        """Write the claimed pages `todo` to temp files, rename them into place, then publish them
+        in the index. Runs without the tier's lock; every claimed name is published or unclaimed."""
         P = size - HDR
         t0 = time.perf_counter()
+        claimed = [names[i] for i in todo]
         # rows to write, contiguous: the caller's pages when todo is 0..m-1, else a gathered copy
         src = pages if todo == list(range(len(todo))) else np.ascontiguousarray(pages[todo])
         sums = page_checksums(src, len(todo))
-        hdr = self._ensure_hdr_buf(len(todo))
         tmps: List[Tuple[int, str, str]] = []  # (fd, tmp name, final name)
-        full = False
+        renamed: List[str] = []
+        full, n_full = False, 0
         try:
-            for j, i in enumerate(todo):
-                nm = names[i]
-                hdr[j] = np.frombuffer(build_header(P, self._fp, bytes.fromhex(nm[:32]), sums[j]), np.uint8)
+            for nm in claimed:
                 tmp = f".tmp.{nm[:32]}.{os.urandom(4).hex()}"
                 try:
                     fd = os.open(os.path.join(self.path, tmp),
@@ -608,7 +611,8 @@ class StorageTier(KVTier):
                         full = True
                     else:
                         log.warning("storage tier: cannot create %s: %s", tmp, e)
-                        self._c["failures"] += 1
+                        with self._lock:
+                            self._c["failures"] += 1
                     break
                 try:
                     os.fchmod(fd, 0o600)
@@ -621,12 +625,67 @@ class StorageTier(KVTier):
                     full = True
                     break
                 tmps.append((fd, tmp, nm))
-            if full:
-                self._enter_disk_full(len(todo) - len(tmps))
             n = len(tmps)
-            if n == 0:
+            n_full = len(claimed) - n if full else 0
+            if n and not self._write_payloads(tmps, src, sums, size, n):
+                for _, tmp, _ in tmps:
+                    self._unlink(tmp)
                 return
-            ok = False
+            if self.fsync:  # the data, before the name that makes it a page
+                for fd, _, _ in tmps:
+                    os.fsync(fd)
+            for fd, tmp, nm in tmps:
+                os.rename(os.path.join(self.path, tmp), os.path.join(self.path, nm))
+                renamed.append(nm)
+            if self.fsync and n:  # the renames themselves
+                dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+            with self._lock:
+                published = 0
+                for nm in renamed:
+                    if self._closed or nm in self._cancelled:
+                        self._unlink(nm)  # discarded (or the tier closed) while it was written
+                        continue
+                    self._writing.pop(nm, None)
+                    self._index[nm] = size
+                    published += 1
+                if self.fsync and n:
+                    self._c["fsyncs"] += n + 1
+                self._c["pages_written"] += published
+                self._c["bytes_written"] += published * P
+                self._c["write_s"] += time.perf_counter() - t0
+        except BaseException:  # also KeyboardInterrupt & co.: never leave temp files behind; re-raised
+            for _, tmp, nm in tmps:
+                if nm not in renamed:
+                    self._unlink(tmp)
+            raise
+        finally:
+            for fd, _, _ in tmps:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            with self._lock:
+                self._unclaim(claimed)  # whatever was not published: its reservation goes back
+                if full:
+                    self._enter_disk_full(n_full)
+
+    def _write_payloads(self, tmps: List[Tuple[int, str, str]], src: np.ndarray, sums, size: int,
+                        n: int) -> bool:
+        """Headers and payloads into the n open temp files, use-stamped (under _io_lock: the NIXL
+        agent and the header buffer are shared with reads). False: failed (counted) or closed; the
+        caller removes the temp files."""
+        P = size - HDR
+        with self._io_lock:
+            if self._closed:
+                return False
+            hdr = self._ensure_hdr_buf(n)
+            for j, (_, _, nm) in enumerate(tmps):
+                hdr[j] = np.frombuffer(build_header(P, self._fp, bytes.fromhex(nm[:32]), sums[j]), np.uint8)
+            ok, err = False, None
             if self._agent is not None:
                 ok = self._nixl_io("WRITE", [t[0] for t in tmps], size, hdr, src, n)
                 if not ok:
@@ -637,42 +696,18 @@ class StorageTier(KVTier):
                         if os.pwritev(fd, [memoryview(hdr[j]), memoryview(src[j])], 0) != size:
                             raise OSError(errno.EIO, "short write")
                 except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        self._enter_disk_full(n)
-                    else:
-                        log.warning("storage tier write failed: %s", e)
-                        self._c["failures"] += 1
-                    for _, tmp, _ in tmps:
-                        self._unlink(tmp)
-                    return
-            for fd, _, _ in tmps:
-                self._stamp(fd)
-                if self.fsync:  # the data, before the name that makes it a page
-                    os.fsync(fd)
-            for fd, tmp, nm in tmps:
-                os.rename(os.path.join(self.path, tmp), os.path.join(self.path, nm))
-                self._index[nm] = size
-                self._used += size
-            if self.fsync:  # the renames themselves
-                dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-                self._c["fsyncs"] += n + 1
-            self._c["pages_written"] += n
-            self._c["bytes_written"] += n * P
-            self._c["write_s"] += time.perf_counter() - t0
-        except BaseException:  # also KeyboardInterrupt & co.: never leave temp files behind; re-raised
-            for _, tmp, _ in tmps:
-                self._unlink(tmp)
-            raise
-        finally:
-            for fd, _, _ in tmps:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+                    err = e
+            if err is None:
+                for fd, _, _ in tmps:
+                    self._stamp(fd)
+                return True
+        with self._lock:  # after _io_lock is released: the lock order is _lock -> _io_lock
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._enter_disk_full(0)
+            else:
+                log.warning("storage tier write failed: %s", err)
+                self._c["failures"] += 1
+        return False
 
     def _open_leading(self, names: List[str], size: int) -> List[int]:
         """Open the leading page files of `names` that are regular files of ours of `size` bytes
@@ -789,6 +824,8 @@ class StorageTier(KVTier):
                 nm = self._name(k)
                 if nm in self._index:
                     self._drop(nm, corrupt=False)  # read-only: forgotten, the file stays
+                elif nm in self._writing:
+                    self._cancelled.add(nm)  # being written: dropped when its write ends
 
     def stats(self) -> dict:
         """A snapshot without the I/O lock (the metrics export runs on SGLang's scheduler thread and
@@ -809,7 +846,7 @@ class StorageTier(KVTier):
         return c
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock, self._io_lock:
             if self._closed:
                 return
             self._closed = True

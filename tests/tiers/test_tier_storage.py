@@ -412,3 +412,71 @@ def test_a_long_write_lets_waiting_reads_in_between_its_chunks(make, monkeypatch
     assert done.is_set() and len(chunks) == 10
     got = np.zeros((20, P), dtype=np.uint8)
     assert t.get_many_into(new_k, got) == 20 and np.array_equal(got, new_p)
+
+
+def _block_file_creation(monkeypatch):
+    """Make the next write stop inside its file creation (fallocate) until released."""
+    import threading
+    inside, release = threading.Event(), threading.Event()
+    real = storage_mod._preallocate
+
+    def slow(fd, size):
+        inside.set()
+        assert release.wait(10)
+        return real(fd, size)
+    monkeypatch.setattr(storage_mod, "_preallocate", slow)
+    return inside, release
+
+
+def test_a_read_never_waits_for_a_write_in_its_file_io(make, monkeypatch):
+    """A write's file creation, fallocate, fsync and rename run without the tier's lock: a read (a
+    prefetch a queued request waits on) returns, with the right bytes, while a write is stopped in
+    the middle of its file I/O; the write then lands every page, and its bytes were reserved
+    against the capacity all along."""
+    import threading
+    t = make()
+    old_k, old_p = keys_for(4, b"old"), pages_for(4, seed=1)
+    assert t.put_many(old_k, old_p) == 4
+    inside, release = _block_file_creation(monkeypatch)
+    new_k, new_p = keys_for(6, b"new"), pages_for(6, seed=2)
+    res = []
+    th = threading.Thread(target=lambda: res.append(t.put_many(new_k, new_p)))
+    th.start()
+    try:
+        assert inside.wait(5)
+        out = np.zeros((4, P), dtype=np.uint8)
+        assert t.get_many_into(old_k, out) == 4 and np.array_equal(out, old_p)
+        assert t.contains_prefix(new_k) == 0  # not published before it is complete
+        assert t.stats()["used_bytes"] == 10 * (HDR + P)  # reserved while in flight
+        # a second put of the same pages skips the claimed ones instead of writing them twice
+        assert t.put_many(new_k[:2], new_p[:2]) == 0
+    finally:
+        release.set()
+        th.join(10)
+    assert res == [6]
+    got = np.zeros((6, P), dtype=np.uint8)
+    assert t.get_many_into(new_k, got) == 6 and np.array_equal(got, new_p)
+    assert t.stats()["pages_written"] == 10 and len(files(t.path)) == 10
+    assert not [f for f in os.listdir(t.path) if f.startswith(".tmp.")]
+
+
+def test_discard_during_a_write_is_not_undone_by_it(make, monkeypatch):
+    """Pages discarded while their write is in flight are not published when it ends (no file,
+    no index entry, their reservation returned), and nothing else is lost."""
+    import threading
+    t = make()
+    inside, release = _block_file_creation(monkeypatch)
+    ks, pg = keys_for(5), pages_for(5)
+    th = threading.Thread(target=t.put_many, args=(ks, pg))
+    th.start()
+    try:
+        assert inside.wait(5)
+        t.discard(ks[2:])
+    finally:
+        release.set()
+        th.join(10)
+    assert t.contains_prefix(ks) == 2
+    assert t.contains_prefix(ks[2:]) == 0 and len(files(t.path)) == 2
+    assert t.stats()["used_bytes"] == 2 * (HDR + P)
+    out = np.zeros((2, P), dtype=np.uint8)
+    assert t.get_many_into(ks[:2], out) == 2 and np.array_equal(out, pg[:2])

@@ -199,6 +199,25 @@ def test_no_prefetch_without_deep_pages_or_with_policy_off(envs):
     assert m["prefetches"] == 1 and m["prefetch_pages"] == 0 and m["transfer"]["held_bytes"] == 0
 
 
+def test_no_job_and_no_hold_when_the_tier_can_tell_it_lacks_the_next_page(envs, monkeypatch):
+    """A tier that answers from local state (the storage tier's index) that it lacks the first page
+    past the device + host hit: no prefetch job, the request admitted at the first step (a new
+    prompt or a new user turn never waits for a worker to find nothing). Where the tier holds the
+    page the prefetch runs as before."""
+    env, tier = envs()
+    monkeypatch.setattr(tier, "holds_locally", lambda keys: [k in tier.pages for k in keys], raising=False)
+    req = arrive(env, "a", list(range(10, 30)))
+    assert admitted(env, req)
+    m, t = env.connector.metrics(), env.tree.metrics()
+    assert m["prefetches"] == 0 and t["prefetches_skipped_absent"] == 1 and t["prefetch_holds"] == 0
+    ids = list(range(40, 80))
+    only_in_tier(env, tier, ids)
+    req2 = arrive(env, "b", ids + [1])
+    wait_admitted(env, req2)
+    assert env.connector.metrics()["prefetch_pages"] == len(ids)
+    assert env.tree.metrics()["prefetches_skipped_absent"] == 1
+
+
 def test_requests_sharing_a_prefix_share_one_fetch(envs):
     """Requests queued together with the same deep prefix (a system prompt) wait on one fetch
     instead of each reading the same pages; the first one leaving (abort) does not cancel the

@@ -46,7 +46,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import requests
 from tqdm import tqdm
@@ -63,12 +63,22 @@ class UsageError(Exception):
 
 
 # ----------------------------------------------------------------------------- pure functions
-def prompt_hash(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+def prompt_hash(text: Union[str, Sequence[int]]) -> str:
+    """Digest of a prompt (its text, or its token ids as JSON)."""
+    raw = text if isinstance(text, str) else json.dumps([int(t) for t in text], separators=(",", ":"))
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()[:16]
+
+
+def prompt_input(p: dict) -> Union[str, List[int]]:
+    """What a request sends for prompt `p`: its token ids when the file gave them, else its text."""
+    ids = p.get("input_ids")
+    return ids if ids is not None else p["text"]
 
 
 def load_prompts(path: str) -> List[dict]:
-    """Read a JSONL prompt file: one ``{"id": ..., "text": ...}`` object per line."""
+    """Read a JSONL prompt file: one ``{"id": ..., "text": ...}`` object per line, or
+    ``{"id": ..., "input_ids": [...]}`` (token ids sent as they are: models whose tokenizer does not
+    round-trip a benchmark's text, e.g. the tiny presets under SGLang's bench_serving --tokenize-prompt)."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
@@ -82,13 +92,21 @@ def load_prompts(path: str) -> List[dict]:
             obj = json.loads(line)
         except ValueError as e:
             raise UsageError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict) or "text" not in obj or "id" not in obj:
-            raise UsageError(f'{path}:{n}: expected an object with "id" and "text"')
+        if not isinstance(obj, dict) or "id" not in obj or ("text" not in obj and "input_ids" not in obj):
+            raise UsageError(f'{path}:{n}: expected an object with "id" and "text" (or "input_ids")')
         pid = str(obj["id"])
         if pid in seen:
             raise UsageError(f"{path}:{n}: duplicate prompt id {pid!r}")
         seen.add(pid)
-        prompts.append({"id": pid, "text": str(obj["text"]), "group": str(obj.get("group", ""))})
+        entry = {"id": pid, "text": str(obj.get("text", "")), "group": str(obj.get("group", ""))}
+        if "input_ids" in obj:
+            ids = obj["input_ids"]
+            if (not isinstance(ids, list) or not ids
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise UsageError(f"{path}:{n}: input_ids of prompt {pid!r} must be a non-empty list of "
+                                 "non-negative integers")
+            entry["input_ids"] = ids
+        prompts.append(entry)
     if not prompts:
         raise UsageError(f"{path}: no prompts")
     return prompts
@@ -295,10 +313,12 @@ class PDTarget:
     bootstrap_port: int
 
 
-def request_one(url: str, text: str, max_new_tokens: int, timeout: float = 600.0,
+def request_one(url: str, text: Union[str, Sequence[int]], max_new_tokens: int, timeout: float = 600.0,
                 pd: Optional[PDTarget] = None):
-    """One greedy request; returns a normalized result dict or an error string."""
-    body = {"text": text,
+    """One greedy request (`text`: a string, or token ids); returns a normalized result dict or an
+    error string."""
+    prompt = {"text": text} if isinstance(text, str) else {"input_ids": [int(t) for t in text]}
+    body = {**prompt,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
     t0 = time.perf_counter()
     if pd is not None:
@@ -335,11 +355,11 @@ def run_batch(url: str, prompts: Sequence[dict], max_new_tokens: int, concurrenc
               leave=False) as bar:
         if concurrency <= 1:
             for p in prompts:
-                out[p["id"]] = request_one(url, p["text"], max_new_tokens, pd=pd)
+                out[p["id"]] = request_one(url, prompt_input(p), max_new_tokens, pd=pd)
                 bar.update(1)
         else:
             with cf.ThreadPoolExecutor(max_workers=concurrency) as ex:
-                futs = {ex.submit(request_one, url, p["text"], max_new_tokens, pd=pd): p["id"] for p in prompts}
+                futs = {ex.submit(request_one, url, prompt_input(p), max_new_tokens, pd=pd): p["id"] for p in prompts}
                 for fut in cf.as_completed(futs):
                     out[futs[fut]] = fut.result()
                     bar.update(1)
@@ -381,7 +401,7 @@ def phase_baseline(args, prompts: List[dict], info: dict) -> int:
             print(f"[FAIL] {p['id']} :: request failed: {res}")
             continue
         entry = {"output_ids": res["output_ids"], "text": res["text"], "prompt_tokens": res["prompt_tokens"],
-                 "prompt_sha256": prompt_hash(p["text"]), "cached_tokens": res["cached_tokens"],
+                 "prompt_sha256": prompt_hash(prompt_input(p)), "cached_tokens": res["cached_tokens"],
                  "device_cached": res["device_cached"], "host_cached": res["host_cached"]}
         res2 = results2[p["id"]]
         note = ""
@@ -448,16 +468,16 @@ def phase_test(args, prompts: List[dict], info: dict) -> int:
         r1, r2 = {}, {}
         for p in tqdm(prompts, desc="R1/R2d/flush/R2", unit="prompt", file=sys.stderr,
                       disable=not args.progress, leave=False):
-            r1[p["id"]] = request_one(args.url, p["text"], max_new, pd=pd)
+            r1[p["id"]] = request_one(args.url, prompt_input(p), max_new, pd=pd)
             if device_round:
-                r2d[p["id"]] = request_one(args.url, p["text"], max_new, pd=pd)
+                r2d[p["id"]] = request_one(args.url, prompt_input(p), max_new, pd=pd)
             err = flush(args.url, pd=pd)
             if err:
                 flush_errors.append(f"{p['id']}: {err}")
-            r2[p["id"]] = request_one(args.url, p["text"], max_new, pd=pd)
+            r2[p["id"]] = request_one(args.url, prompt_input(p), max_new, pd=pd)
     verdicts = [
         evaluate_prompt(p["id"], base["prompts"].get(p["id"]), r1[p["id"]], r2[p["id"]], r2d=r2d.get(p["id"]),
-                        text_hash=prompt_hash(p["text"]), require_host_hit=not args.no_host_hit,
+                        text_hash=prompt_hash(prompt_input(p)), require_host_hit=not args.no_host_hit,
                         min_host_tokens=args.min_host_tokens, strict_fresh=args.strict_fresh)
         for p in prompts
     ]

@@ -114,3 +114,82 @@ def test_outputs_are_compared_per_pass_in_request_order():
                                           {"pass": 2, "requests": 3, "identical": 2}]}
     res[1]["passes"][1]["generated_texts"] = None  # an older bench_serving without details: not compared
     assert ss.compare_outputs(res, "flexflow", "baseline") is None
+
+
+# ----------------------------------------------------------------------------- --verify
+def _workload(**kw):
+    import argparse
+    base = dict(seed=3, gsp_num_groups=3, gsp_prompts_per_group=2, gsp_system_prompt_len=40, gsp_question_len=6,
+                gsp_output_len=4, tokenize_prompt=True)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from flexflow_sglang.tools.cpu_support.tiny_model import make_tiny_model
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny-model")))
+
+
+def test_verify_prompts_are_sglangs_generated_shared_prefix_set(tiny_model_dir, tmp_path):
+    """The prompts come from SGLang's own sampler: groups x prompts, each a group's shared system prompt
+    then its question, as token ids for a preset; the same seed gives the same file (bench_serving
+    draws its dataset from that seed too), another seed another one."""
+    from flexflow_sglang.tools import verify_outputs as vo
+    from flexflow_sglang.tools.bench import serving_verify as sv
+    a, b, c = (str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "c.jsonl"))
+    assert sv.write_prompts(tiny_model_dir, _workload(), a) == 6
+    sv.write_prompts(tiny_model_dir, _workload(), b)
+    sv.write_prompts(tiny_model_dir, _workload(seed=4), c)
+    assert open(a).read() == open(b).read() and open(a).read() != open(c).read()
+    prompts = vo.load_prompts(a)
+    ids = [vo.prompt_input(p) for p in prompts]
+    assert all(isinstance(x, list) and len(x) == 46 for x in ids)
+    assert sv.prompt_lens(a) == [46] * 6
+    assert len({tuple(x[:40]) for x in ids}) == 3  # one shared system prompt per group
+    assert sv.same_prompts_as_bench(a, [46] * 6) is True
+    assert sv.same_prompts_as_bench(a, [46] * 5 + [45]) is False
+    assert sv.same_prompts_as_bench(a, None) is None
+
+
+def test_verify_against_an_unreachable_server_is_reported_not_passed(tmp_path):
+    from flexflow_sglang.tools.bench import serving_verify as sv
+    from flexflow_sglang.tools.server_utils import find_free_port
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    got = sv.run_verify("baseline", f"http://127.0.0.1:{find_free_port()}", str(prompts), str(tmp_path / "b.json"),
+                        str(tmp_path), 2, 60)
+    assert got["rc"] == 2 and got["mismatches"] is None
+    assert "cannot reach the SGLang server" in open(got["log"]).read()
+
+
+def test_verify_summary_takes_each_servers_verdict():
+    res = [{"backend": "baseline", "ran": True, "passes": [{"input_lens": [3]}],
+            "verify": {"phase": "baseline", "rc": 0, "mismatches": 0, "log": "x"}},
+           {"backend": "flexflow", "ran": True, "passes": [{"input_lens": [3]}],
+            "verify": {"phase": "test", "rc": 1, "mismatches": 2, "log": "y", "r2_differs_from_plain": [2, 9]}},
+           {"backend": "flexflow-shared", "ran": False, "error": "e"}]
+    import json as _json
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.write(_json.dumps({"id": "a", "input_ids": [1, 2, 3], "prompt_len": 3}) + "\n")
+    got = ss.verify_summary(res, f.name)
+    assert got == {"baseline": {"phase": "baseline", "rc": 0, "mismatches": 0, "r2_differs_from_plain": None,
+                                "same_prompts_as_bench_serving": True},
+                   "flexflow": {"phase": "test", "rc": 1, "mismatches": 2, "r2_differs_from_plain": [2, 9],
+                                "same_prompts_as_bench_serving": True}}
+
+
+def test_verify_needs_the_plain_server_first(capsys):
+    with pytest.raises(SystemExit):
+        ss.main(["--model", "kv128k", "--backends", "flexflow,baseline", "--verify", "--out", "/nonexistent/x"])
+    assert "--verify needs 'baseline' first" in capsys.readouterr().err
+
+
+def test_verify_output_parsing_reads_the_verdict_lines():
+    from flexflow_sglang.tools.bench.serving_verify import parse_verify_output
+    text = ("[ok  ] gsp-0001 tokens=9 R1 cached=0\n"
+            "Hit vs fresh drift (reported, counted): R2 != baseline R1 in 3 of 32 prompts; the reference ... in 0\n"
+            "Total mismatches: 4\n")
+    assert parse_verify_output(text) == {"mismatches": 4, "r2_differs_from_plain": [3, 32]}
+    assert parse_verify_output("Traceback ...") == {"mismatches": None, "r2_differs_from_plain": None}

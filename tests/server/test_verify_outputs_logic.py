@@ -112,6 +112,53 @@ def test_load_prompts_errors(tmp_path):
         vo.load_prompts(str(tmp_path / "missing.jsonl"))
 
 
+def test_prompts_may_be_token_ids(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "input_ids": [5, 0, 7]}\n{"id": "b", "text": "hello"}\n')
+    a, b = vo.load_prompts(str(f))
+    assert vo.prompt_input(a) == [5, 0, 7] and vo.prompt_input(b) == "hello"
+    # the ids are what the hash covers: another id list is another prompt
+    assert vo.prompt_hash([5, 0, 7]) != vo.prompt_hash([5, 0, 8])
+    assert vo.prompt_hash("hello") == vo.prompt_hash(vo.prompt_input(b))
+    for bad in ('[]', '[1, -2]', '"1 2"', '[1, 2.5]', '[true]'):
+        f.write_text('{"id": "x", "input_ids": %s}\n' % bad)
+        with pytest.raises(vo.UsageError, match=r"p.jsonl:1: input_ids of prompt 'x' must be"):
+            vo.load_prompts(str(f))
+
+
+def test_request_sends_token_ids_as_input_ids():
+    """request_one against a real HTTP listener: token ids go out as `input_ids`, text as `text`."""
+    import http.server
+    import threading
+
+    bodies = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            reply = json.dumps({"output_ids": [1], "text": "x", "meta_info": {"prompt_tokens": 3}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        got = vo.request_one(url, [4, 5, 6], 2)
+        assert got["output_ids"] == [1] and got["prompt_tokens"] == 3
+        vo.request_one(url, "four five", 2)
+    finally:
+        srv.shutdown()
+    assert bodies[0]["input_ids"] == [4, 5, 6] and "text" not in bodies[0]
+    assert bodies[1]["text"] == "four five" and "input_ids" not in bodies[1]
+    assert bodies[0]["sampling_params"]["temperature"] == 0
+
+
 def test_bundled_prompt_set_is_generated_and_well_formed(tmp_path):
     prompts = vo.load_prompts(str(PROMPTS_FILE))
     assert 12 <= len(prompts) <= 16

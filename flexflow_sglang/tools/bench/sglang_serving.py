@@ -15,7 +15,9 @@ default) and `flexflow-shared` (the same config with `host_tier.shared: true`: o
 node). With `--dp-size 2 --backends flexflow,flexflow-shared` the summary also compares the two
 flexflow variants (host-tier hit rate and mean TTFT, shared / per rank), which is where a shared
 tier matters: SGLang's DP controller sends a repeated prefix to either rank.
-JSON, the raw bench_serving JSONL and a PNG go to --out.
+JSON, the raw bench_serving JSONL and a PNG go to --out. With `--verify`, each server also answers
+verify_outputs with the prompts bench_serving sent (tools/bench/serving_verify.py): the plain server's
+outputs are the baseline, the flexflow server's host / storage hits must equal them.
 """
 
 from __future__ import annotations
@@ -151,8 +153,9 @@ def measure_pass(url: str, log: str, model: str, jsonl: str, args, label: str, p
     offset = os.path.getsize(log)
     before = _flexflow_counters(url)
     t0 = time.perf_counter()
+    home = getattr(args, "bench_home", None)  # a scratch HOME: bench_serving's dataset cache (serving_verify)
     proc = subprocess.run(bench_serving_cmd(url, model, jsonl, args), capture_output=True, text=True,
-                          timeout=args.pass_timeout)
+                          timeout=args.pass_timeout, env={**os.environ, "HOME": home} if home else None)
     if proc.returncode != 0 or not os.path.exists(jsonl):
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
         raise RuntimeError(f"bench_serving ({label}) exited {proc.returncode}: " + " | ".join(tail))
@@ -174,6 +177,7 @@ def measure_pass(url: str, log: str, model: str, jsonl: str, args, label: str, p
             # per request, in the dataset's order (same seed: the same prompts in the same order on
             # every server): compared across backends in the summary
             "generated_texts": result.get("generated_texts"),
+            "input_lens": result.get("input_lens"),
             # tokens loaded from flexflow's tiers (host, or deeper through it) / prompt tokens
             "tier_hit_ratio": host / prompt if prompt else 0.0}
 
@@ -200,11 +204,31 @@ def run_backend(name: str, model: str, args) -> dict:
         for p in range(args.passes):
             jsonl = os.path.join(args.out, f"bench_serving-{name}-pass{p + 1}.jsonl")
             passes.append(measure_pass(server.url, log, model, jsonl, args, f"{name}, pass {p + 1}", p + 1))
+        verify = verify_on(name, server.url, args)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         return {"backend": name, "ran": False, "error": str(e)[:600], "log": log, "passes": passes}
     finally:
         server.stop()
-    return {"backend": name, "ran": True, "startup_s": server.startup_s, "passes": passes, "log": log}
+    out = {"backend": name, "ran": True, "startup_s": server.startup_s, "passes": passes, "log": log}
+    if verify is not None:
+        out["verify"] = verify
+    return out
+
+
+def verify_on(name: str, url: str, args) -> Optional[dict]:
+    """--verify, after the passes: verify_outputs' baseline phase on the plain server, its test phase
+    on a flexflow one (against the plain server's baseline of this run); None otherwise."""
+    from .serving_verify import run_verify
+    if not getattr(args, "verify_prompts", None):
+        return None
+    baseline = os.path.join(args.out, "verify-baseline.json")
+    if name == "baseline":
+        phase = "baseline"
+    elif name.startswith("flexflow") and os.path.exists(baseline):
+        phase = "test"
+    else:
+        return None
+    return run_verify(phase, url, args.verify_prompts, baseline, args.out, args.gsp_output_len, args.pass_timeout)
 
 
 def _last_pass_ratios(results: List[dict], num: str, den: str, keys, pass_index: int = -1) -> Optional[dict]:
@@ -301,6 +325,21 @@ def plot(results: List[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def verify_summary(results: List[dict], prompts: str) -> dict:
+    """Per backend: verify_outputs' mismatches (the test phase's count is the verdict), and whether
+    the verify prompts have the lengths bench_serving reported (the same dataset)."""
+    from .serving_verify import same_prompts_as_bench
+    out = {}
+    for r in results:
+        v = r.get("verify")
+        if v is None:
+            continue
+        lens = (r.get("passes") or [{}])[0].get("input_lens")
+        out[r["backend"]] = {**{k: v.get(k) for k in ("phase", "rc", "mismatches", "r2_differs_from_plain")},
+                             "same_prompts_as_bench_serving": same_prompts_as_bench(prompts, lens)}
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="flexflow bench sglang-serving", description=__doc__.split("\n\n")[0])
@@ -324,10 +363,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "leaves a core to flexflow's transfer engine, as a GPU server's host CPU has")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1, help="repeat all backends (ABAB order) to cancel drift")
+    ap.add_argument("--verify", action="store_true",
+                    help="after each server's passes, run verify_outputs with the prompts bench_serving sent: "
+                         "baseline phase on the plain server, test phase (host / storage hits) on flexflow")
     args = ap.parse_args(argv)
     check_positive(ap, args, WORKLOAD_POSITIVE + ("passes", "rounds", "dp_size"))
     if args.page_size is not None and args.page_size <= 0:
         ap.error(f"--page-size must be positive, got {args.page_size}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        ap.error(f"--backends: unknown {bad}; valid: {', '.join(BACKENDS)}")
+    if args.verify and backends[0] != "baseline":
+        ap.error("--verify needs 'baseline' first in --backends (its outputs are the reference)")
     try:
         import datasets  # noqa: F401 - bench_serving imports every dataset loader at start
     except ImportError:
@@ -343,10 +391,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.config = write_config(args.out, args.host_tokens, args.storage)
     elif args.storage:
         ap.error("--storage needs --host-tokens (the generated config)")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad:
-        ap.error(f"--backends: unknown {bad}; valid: {', '.join(BACKENDS)}")
+    from .serving_verify import bench_home, write_prompts
+    args.bench_home = bench_home(args.out)
+    if args.verify:
+        args.verify_prompts = os.path.join(args.out, "verify-prompts.jsonl")
+        write_prompts(model, args, args.verify_prompts)
     results = []
     jobs = [(rnd, b) for rnd in range(args.rounds) for b in backends]
     for rnd, name in tqdm(jobs, desc="bench sglang-serving", unit="server"):
@@ -358,10 +407,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not r.get("ran"):
             print(f"{name}: {r['error']}", file=sys.stderr)
     summary = summarize(results)
+    if args.verify:
+        summary["verify"] = verify_summary(results, args.verify_prompts)
     workload = {k: getattr(args, k) for k in ("gsp_num_groups", "gsp_prompts_per_group", "gsp_system_prompt_len",
                                               "gsp_question_len", "gsp_output_len", "max_concurrency",
                                               "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
-                                              "storage", "config", "dp_size", "page_size", "forward_threads")}
+                                              "storage", "config", "dp_size", "page_size", "forward_threads", "verify")}
     out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
            "model_path": model, "workload": workload, "results": results, "summary": summary}
     with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:
@@ -378,7 +429,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{p['cached_ratio']:7.1%} {p['tier_hit_ratio']:7.1%}")
     print(json.dumps(summary, indent=1))
     print(f"wrote {os.path.join(args.out, 'bench_sglang_serving.json')} and bench_sglang_serving.png")
-    return 0 if all(r.get("ran") for r in results) else 1
+    ok = all(r.get("ran") for r in results)
+    if args.verify:
+        verdicts = summary["verify"]
+        ok = ok and bool(verdicts) and all(v["mismatches"] == 0 and v["rc"] == 0 for v in verdicts.values())
+        print("verify_outputs: " + ", ".join(f"{b} {v['phase']}: {v['mismatches']} mismatches (rc {v['rc']})"
+                                             for b, v in verdicts.items()) + f"; logs under {args.out}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

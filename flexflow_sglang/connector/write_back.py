@@ -21,6 +21,9 @@ from ..transfer.legs import tier_put
 
 logger = logging.getLogger(__name__)
 
+#: write-backs go to a tier in pieces of this many bytes; queued fetches and prefetches run between two
+WRITE_BACK_PIECE_BYTES = 16 << 20
+
 
 class WriteBack:
     def __init__(self, conn: Any, pin_budget: int):
@@ -93,13 +96,43 @@ class WriteBack:
         c = self.conn
         keys, pages, tiers, rows = job.ctx
         rows = (self._rows(pages) if rows is None else rows).view(torch.uint8)
-        out = {}
-        for tier in tiers:
-            try:
-                out[tier.name] = tier_put(c.engine, tier, c.host_node, keys, rows)
-            except Exception:  # noqa: BLE001 - a failure only costs a future hit
-                logger.exception("flexflow: write-through of %d pages to %s failed", len(keys), tier.name)
-                out[tier.name] = -1
+        return self._put_in_pieces(tiers, keys, rows)
+
+    def _spill_run(self, keys, tier, rows_u8) -> int:
+        got = self._put_in_pieces([tier], keys, rows_u8)[tier.name]
+        if got < 0:  # counted as a failed spill when it settles
+            raise RuntimeError(f"spill of {len(keys)} pages to {tier.name} failed")
+        return got
+
+    def _put_in_pieces(self, tiers, keys, rows_u8) -> dict:
+        """Write `rows_u8` under `keys` to each of `tiers` in pieces of WRITE_BACK_PIECE_BYTES and
+        return {tier name: leading pages stored, -1 if it failed before storing any}. Between two
+        pieces the fetches, promotions and prefetches queued meanwhile run on this worker
+        (engine.run_urgent): a 1,000-token write-through to a storage tier takes about a second on a
+        busy CPU, and a request's prefetch that waited for it was the largest part of its hold
+        (kv128k multi-turn: 250 ms of queueing per prefetch)."""
+        c = self.conn
+        step = max(1, WRITE_BACK_PIECE_BYTES // max(1, int(rows_u8.shape[1])))
+        out = {t.name: 0 for t in tiers}
+        live = list(tiers)
+        for i0 in range(0, len(keys), step):
+            if i0:
+                c.engine.run_urgent("spill")  # what sorts before every write-back
+            i1 = min(len(keys), i0 + step)
+            for tier in list(live):
+                try:
+                    got = tier_put(c.engine, tier, c.host_node, keys[i0:i1], rows_u8[i0:i1])
+                except Exception:  # noqa: BLE001 - a failure only costs a future hit
+                    logger.exception("flexflow: write of %d pages to %s failed", i1 - i0, tier.name)
+                    got = -1
+                if got < 0:
+                    out[tier.name] = out[tier.name] or -1
+                else:
+                    out[tier.name] += got
+                if got < i1 - i0:  # a short write ends this tier's leading run
+                    live.remove(tier)
+            if not live:
+                break
         return out
 
     def _unpin(self, job: Job) -> None:
@@ -133,8 +166,8 @@ class WriteBack:
             c._m["pages_spill_dropped"] += len(keys)
             return
         rows = self._rows([p for _, p in evicted])
-        job = Job("spill", lambda j: tier_put(c.engine, tier, c.host_node, keys, rows.view(torch.uint8)),
-                  nbytes=nbytes, ctx=(keys, tier))
+        job = Job("spill", lambda j: self._spill_run(keys, tier, rows.view(torch.uint8)), nbytes=nbytes,
+                  ctx=(keys, tier))
         if not c._submit(job):
             c._m["spills_dropped"] += 1
             c._m["pages_spill_dropped"] += len(keys)

@@ -439,3 +439,61 @@ def test_write_through_skips_pages_the_tier_already_holds(conns):
     assert c.store(b, rand_slots(12, 1, 3)).ok and c.drain(5)
     assert c.engine.c["submitted"] == before and m["write_through_skipped_held"] + 12 == \
         c.metrics()["write_through_skipped_held"]
+
+
+def test_a_prefetch_queued_behind_a_long_write_back_runs_between_its_pieces(conns, monkeypatch):
+    """A write-through goes to the tier in pieces; a prefetch queued meanwhile (every worker busy:
+    here the only one) runs on the write-back's worker after the piece in flight, not after the
+    whole write (kv128k multi-turn: a 1,000-token write-through held a prefetch ~250 ms)."""
+    import flexflow_sglang.connector.write_back as wb_mod
+    kv = mha(ps=1)
+    page = KVLayout.from_pool(kv, 1).page_nbytes
+    monkeypatch.setattr(wb_mod, "WRITE_BACK_PIECE_BYTES", 2 * page)  # 2 pages per piece
+
+    class PieceGated(InMemoryTier):
+        """Each put waits until the test allows one more; reads never wait."""
+        def __init__(self):
+            super().__init__(name="pieces", node="nvme0")
+            self.write_through = True
+            self.cv = threading.Condition()
+            self.allowed = self.pieces = self.reads = 0
+
+        def allow(self, n):
+            with self.cv:
+                self.allowed = n
+                self.cv.notify_all()
+
+        def put_many(self, keys, pages_u8):
+            with self.cv:
+                if not self.cv.wait_for(lambda: self.pieces < self.allowed, 10):
+                    return 0
+                self.pieces += 1
+            return super().put_many(keys, pages_u8)
+
+        def get_many_into(self, keys, out_u8):
+            got = super().get_many_into(keys, out_u8)
+            self.reads += got
+            return got
+
+    tier = PieceGated()
+    c = conns(kv, cfg(host_tokens=64, workers=1), [tier])
+    b = c.page_keys(list(range(200, 206)))  # a prefix only the tier holds
+    b_rows = torch.randint(0, 255, (6, page), dtype=torch.uint8)
+    InMemoryTier.put_many(tier, b, b_rows.numpy())
+    a = c.page_keys(list(range(8)))
+    assert c.store(a, rand_slots(8, 1, 41)).ok  # write-through of 8 pages: 4 pieces, the first waits
+    h = c.prefetch(b)
+
+    def wait_for(cond):
+        end = time.monotonic() + 5
+        while not cond() and time.monotonic() < end:
+            c.poll()
+            time.sleep(0.01)
+        return cond()
+    tier.allow(1)  # the first piece only
+    assert wait_for(lambda: tier.reads == 6 and h.read_done)  # the prefetch ran between two pieces
+    assert tier.pieces == 1 and tier.contains_prefix(a) == 2  # and the write-through is not done
+    tier.allow(10)
+    assert c.drain(5) and h.done and not h.failed and h.pages == 6
+    assert tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8
+    assert torch.equal(c.host.words[torch.as_tensor(c.host.pages_for(b))].view(torch.uint8), b_rows)

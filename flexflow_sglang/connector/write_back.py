@@ -21,7 +21,7 @@ from ..transfer.legs import tier_put
 
 logger = logging.getLogger(__name__)
 
-#: write-backs go to a tier in pieces of this many bytes; queued fetches and prefetches run between two
+#: write-backs go to a tier in pieces of this many bytes; queued fetches and promotions run between two
 WRITE_BACK_PIECE_BYTES = 16 << 20
 
 
@@ -107,17 +107,19 @@ class WriteBack:
     def _put_in_pieces(self, tiers, keys, rows_u8) -> dict:
         """Write `rows_u8` under `keys` to each of `tiers` in pieces of WRITE_BACK_PIECE_BYTES and
         return {tier name: leading pages stored, -1 if it failed before storing any}. Between two
-        pieces the fetches, promotions and prefetches queued meanwhile run on this worker
-        (engine.run_urgent): a 1,000-token write-through to a storage tier takes about a second on a
-        busy CPU, and a request's prefetch that waited for it was the largest part of its hold
-        (kv128k multi-turn: 250 ms of queueing per prefetch)."""
+        pieces the load-back fetches and promotions queued meanwhile run on this worker
+        (engine.run_urgent): a write to a slow link takes seconds, and a load-back waiting for a
+        worker behind it became a miss at its timeout. Queued prefetches are not taken here: on a
+        CPU-bound machine two prefetches at once share the cores and both finish late, where in
+        turn the first is done sooner at no cost to the second (tried on the kv128k multi-turn run:
+        prefetch queueing and TTFT went up, not down)."""
         c = self.conn
         step = max(1, WRITE_BACK_PIECE_BYTES // max(1, int(rows_u8.shape[1])))
         out = {t.name: 0 for t in tiers}
         live = list(tiers)
         for i0 in range(0, len(keys), step):
             if i0:
-                c.engine.run_urgent("spill")  # what sorts before every write-back
+                c.engine.run_urgent("prefetch")  # fetches and promotions: what a request waits for now
             i1 = min(len(keys), i0 + step)
             for tier in list(live):
                 try:

@@ -441,22 +441,22 @@ def test_write_through_skips_pages_the_tier_already_holds(conns):
         c.metrics()["write_through_skipped_held"]
 
 
-def test_a_prefetch_queued_behind_a_long_write_back_runs_between_its_pieces(conns, monkeypatch):
-    """A write-through goes to the tier in pieces; a prefetch queued meanwhile (every worker busy:
-    here the only one) runs on the write-back's worker after the piece in flight, not after the
-    whole write (kv128k multi-turn: a 1,000-token write-through held a prefetch ~250 ms)."""
+def test_a_load_back_queued_behind_a_long_write_back_runs_between_its_pieces(conns, monkeypatch):
+    """A write-through goes to the tier in pieces; a load-back fetch queued meanwhile (every worker
+    busy: here the only one) runs on the write-back's worker after the piece in flight, not after the
+    whole write, so it is a hit and not a miss at its timeout."""
     import flexflow_sglang.connector.write_back as wb_mod
     kv = mha(ps=1)
     page = KVLayout.from_pool(kv, 1).page_nbytes
     monkeypatch.setattr(wb_mod, "WRITE_BACK_PIECE_BYTES", 2 * page)  # 2 pages per piece
 
     class PieceGated(InMemoryTier):
-        """Each put waits until the test allows one more; reads never wait."""
+        """Each put waits until the test allows one more piece; reads never wait."""
         def __init__(self):
             super().__init__(name="pieces", node="nvme0")
             self.write_through = True
             self.cv = threading.Condition()
-            self.allowed = self.pieces = self.reads = 0
+            self.allowed = self.pieces = 0
 
         def allow(self, n):
             with self.cv:
@@ -470,30 +470,23 @@ def test_a_prefetch_queued_behind_a_long_write_back_runs_between_its_pieces(conn
                 self.pieces += 1
             return super().put_many(keys, pages_u8)
 
-        def get_many_into(self, keys, out_u8):
-            got = super().get_many_into(keys, out_u8)
-            self.reads += got
-            return got
-
     tier = PieceGated()
-    c = conns(kv, cfg(host_tokens=64, workers=1), [tier])
-    b = c.page_keys(list(range(200, 206)))  # a prefix only the tier holds
-    b_rows = torch.randint(0, 255, (6, page), dtype=torch.uint8)
-    InMemoryTier.put_many(tier, b, b_rows.numpy())
+    c = conns(kv, cfg(host_tokens=64, workers=1, load_timeout_ms=3000), [tier])
+    b = c.page_keys(list(range(200, 206)))  # pages only the tier holds, stored there directly
+    src = rand_slots(6, 1, 40)
+    snap = snapshot(kv, src)
+    assert c.store(b, src).ok
+    tier.allow(3)
+    assert c.drain(5) and tier.contains_prefix(b) == 6
+    assert c.host.discard(b) == 6 and c.lookup(b, deep=False) == 0
     a = c.page_keys(list(range(8)))
     assert c.store(a, rand_slots(8, 1, 41)).ok  # write-through of 8 pages: 4 pieces, the first waits
-    h = c.prefetch(b)
-
-    def wait_for(cond):
-        end = time.monotonic() + 5
-        while not cond() and time.monotonic() < end:
-            c.poll()
-            time.sleep(0.01)
-        return cond()
-    tier.allow(1)  # the first piece only
-    assert wait_for(lambda: tier.reads == 6 and h.read_done)  # the prefetch ran between two pieces
-    assert tier.pieces == 1 and tier.contains_prefix(a) == 2  # and the write-through is not done
+    threading.Timer(0.3, tier.allow, args=(4,)).start()  # the write's first piece, while the load waits
+    dst = rand_slots(6, 1, 42)
+    t0 = time.perf_counter()
+    r = c.load(b, dst)  # its fetch queues behind the write-through on the only worker
+    assert r.ok and r.deep_pages == 6 and same(kv, dst, snap)
+    assert time.perf_counter() - t0 < 2.5 and c.metrics().get("fetch_timeouts", 0) == 0
+    assert tier.pieces == 4 and tier.contains_prefix(a) == 2  # the write-through is not done
     tier.allow(10)
-    assert c.drain(5) and h.done and not h.failed and h.pages == 6
-    assert tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8
-    assert torch.equal(c.host.words[torch.as_tensor(c.host.pages_for(b))].view(torch.uint8), b_rows)
+    assert c.drain(5) and tier.contains_prefix(a) == 8 and c.metrics()["pages_written_through"] == 8 + 6

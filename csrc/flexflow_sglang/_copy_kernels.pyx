@@ -22,29 +22,47 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t
 from libc.string cimport memcpy, memset
 from cython.parallel cimport prange
 
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* dst[0:n] = src[0:n] (dst may be NULL: fold only) and every word folded into the lane sums
+       st = A_0..3, B_0..3: per block of 4 words, A += w, then B += A. One pass: each 32-byte block
+       is loaded once into a 4 x 64-bit vector, stored and folded while it is in a register. The
+       earlier memcpy-then-fold per 16 KiB chunk left the memory idle during the fold, which cost
+       most where segments are short and scattered (page size 1: 4 KiB per layer; see the fused
+       kernels section of docs/results.md). target_clones builds an AVX2 body, picked at load time
+       on CPUs that have it, beside a baseline x86-64 one. */
+    typedef uint64_t ff_v4u __attribute__((vector_size(32)));
+    #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __attribute__((target_clones("avx2", "default")))
+    #endif
+    static void ff_copy_fold(uint64_t* dst, const uint64_t* src, int64_t n, uint64_t* st) {
+        ff_v4u a, b, w;
+        memcpy(&a, st, 32);
+        memcpy(&b, st + 4, 32);
+        if (dst) {
+            for (int64_t k = 0; k < n; k += 4) {
+                memcpy(&w, src + k, 32);
+                memcpy(dst + k, &w, 32);
+                a += w;
+                b += a;
+            }
+        } else {
+            for (int64_t k = 0; k < n; k += 4) {
+                memcpy(&w, src + k, 32);
+                a += w;
+                b += a;
+            }
+        }
+        memcpy(st, &a, 32);
+        memcpy(st + 4, &b, 32);
+    }
+    """
+    void ff_copy_fold(uint64_t* dst, const uint64_t* src, int64_t n, uint64_t* st) noexcept nogil
+
 cdef uint64_t HASH_K = 0x9E3779B97F4A7C15ULL
 cdef uint64_t HASH_C = 0xBF58476D1CE4E5B9ULL
-
-
-cdef inline void _lanes(const uint64_t* src, int64_t n, uint64_t* st) noexcept nogil:
-    """Fold src[0:n] (n a multiple of 4) into the lane sums: per block of 4 words, A_l += w_l, then
-    B_l += A_l (st = A_0..3, B_0..3). Adds only (the compiler vectorises them): the mix loop of
-    the first version cost more than the copy on a loaded core."""
-    cdef uint64_t a0 = st[0], a1 = st[1], a2 = st[2], a3 = st[3]
-    cdef uint64_t b0 = st[4], b1 = st[5], b2 = st[6], b3 = st[7]
-    cdef int64_t k = 0
-    while k < n:
-        a0 += src[k]
-        a1 += src[k + 1]
-        a2 += src[k + 2]
-        a3 += src[k + 3]
-        b0 += a0
-        b1 += a1
-        b2 += a2
-        b3 += a3
-        k += 4
-    st[0] = a0; st[1] = a1; st[2] = a2; st[3] = a3
-    st[4] = b0; st[5] = b1; st[6] = b2; st[7] = b3
 
 
 cdef inline uint64_t _finish(uint64_t* st) noexcept nogil:
@@ -56,25 +74,6 @@ cdef inline uint64_t _finish(uint64_t* st) noexcept nogil:
         m = (st[k] ^ (<uint64_t>(k + 1) * HASH_K)) * HASH_C
         h += m ^ (m >> 32)
     return h
-
-
-cdef int64_t CHUNK_WORDS = 2048  # 16 KiB: copied, then folded while it is still in L1
-
-
-cdef inline void _copy_fold(uint64_t* dst, const uint64_t* src, int64_t n, uint64_t* st) noexcept nogil:
-    """dst[0:n] = src[0:n] (dst may be NULL: fold only) and the words folded into st. Per 16 KiB
-    chunk a vectorised memcpy, then the fold over the copy while it is in L1: memory is read once."""
-    cdef int64_t k = 0, c
-    while k < n:
-        c = n - k
-        if c > CHUNK_WORDS:
-            c = CHUNK_WORDS
-        if dst != NULL:
-            memcpy(dst + k, src + k, c * 8)
-            _lanes(dst + k, c, st)
-        else:
-            _lanes(src + k, c, st)
-        k += c
 
 
 cdef int _check_tables(seg_ptr, seg_stride, seg_nbytes, bint hashing) except -1:
@@ -119,7 +118,7 @@ cdef void _gather_page(const uint64_t* seg_ptr, const int64_t* seg_stride, const
     for s in range(S):
         src = <const uint8_t*>seg_ptr[s] + dev_page * seg_stride[s]
         if hashing:
-            _copy_fold(<uint64_t*>row, <const uint64_t*>src, seg_nbytes[s] >> 3, st)
+            ff_copy_fold(<uint64_t*>row, <const uint64_t*>src, seg_nbytes[s] >> 3, st)
         else:
             memcpy(row, src, seg_nbytes[s])
         row += seg_nbytes[s]
@@ -138,7 +137,7 @@ cdef bint _scatter_page(const uint8_t* row, const uint64_t* seg_ptr, const int64
     for s in range(S):
         dst = <uint8_t*>seg_ptr[s] + dev_page * seg_stride[s]
         if hashing:
-            _copy_fold(<uint64_t*>dst, <const uint64_t*>row, seg_nbytes[s] >> 3, st)
+            ff_copy_fold(<uint64_t*>dst, <const uint64_t*>row, seg_nbytes[s] >> 3, st)
         else:
             memcpy(dst, row, seg_nbytes[s])
         row += seg_nbytes[s]
@@ -191,7 +190,7 @@ def page_hash(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_page
     with nogil:
         for i in range(n):
             memset(st, 0, sizeof(st))
-            _copy_fold(NULL, <const uint64_t*>(<const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes),
+            ff_copy_fold(NULL, <const uint64_t*>(<const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes),
                        host_row_nbytes >> 3, st)
             out[i] = <int64_t>_finish(st)
     return None

@@ -109,7 +109,7 @@ class FlexFlowRadixCache(RadixCache):
         self._dump_rank = getattr(ctx, "tp_rank", 0) if ctx is not None else 0
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
-            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued", "prefetches_shared", "prefetches_skipped_absent",
+            "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued", "prefetches_shared", "prefetches_skipped_absent", "prefetches_skipped_recompute_cheaper",
             "prefetch_holds", "prefetch_timeouts", "prefetch_ready", "layerwise_load_backs")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
@@ -566,6 +566,11 @@ class FlexFlowRadixCache(RadixCache):
         shared = self._prefetch_by_key.get(first_key)
         if shared is None and not conn.deep_tiers_may_hold(first_key):
             self._m["prefetches_skipped_absent"] += 1  # nothing deeper: no job, no hold
+            return
+        if shared is None and not conn.prefetch_worth(total - start):
+            # estimated slower than the prefill: no job, no hold; the match after it is host-only
+            # (this entry exists), so SGLang recomputes those tokens, as the inline rule would
+            self._m["prefetches_skipped_recompute_cheaper"] += 1
             return
         if shared is not None and not shared.done and not shared.cancelled:
             ent.handle = shared.share()

@@ -563,6 +563,17 @@ class FlexFlowConnector:
                 return True
         return False
 
+    def prefetch_worth(self, pages: int) -> bool:
+        """Is fetching `pages` deep pages estimated faster than prefilling them again? The same rule
+        as the inline lookup (FetchCost, opt-in with `transfer.recompute_tokens_per_s`), asked by the
+        scheduler thread before it starts a prefetch and holds a request for it: a hold for KV that
+        arrives after the forward could have computed it only delays the request. The cheapest tier
+        decides; True when the rule is off or nothing was measured yet (its first read measures it)."""
+        if not self.fetch_cost.enabled or not self.tiers or pages <= 0:
+            return True
+        t = self.fetch_cost.order(self.tiers, pages)[0]
+        return self.fetch_cost.worth_fetching(t.name, t.node, pages)
+
     def land_arrived(self) -> int:
         """A queued request's prefetch budget ran out: settle the pieces that landed and run their
         promotions here, on the owner's thread, instead of waiting for a worker (a few ms per

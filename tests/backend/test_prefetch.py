@@ -31,21 +31,24 @@ class GatedTier(InMemoryTier):
         self.gate = threading.Event()
         self.gate.set()
         self.pages_read = 0
+        self.delay_s = 0.0
 
     def get_many_into(self, keys, out_u8):
         self.gate.wait(10)
+        time.sleep(self.delay_s)
         got = super().get_many_into(keys, out_u8)
         self.pages_read += got
         return got
 
 
-def make(policy="timeout", base=30.0, per_ki=0.0, host_tokens=256, params_kw=None):
+def make(policy="timeout", base=30.0, per_ki=0.0, host_tokens=256, params_kw=None, recompute_tokens_per_s=0.0):
     from flexflow_sglang.backend.cache import FlexFlowRadixCache
     kv, alloc, req_pool, params = E.make_pools(size=128, params_kw=params_kw)
     cfg = config_from_dict({"topology": {"source": "mock", "mock": "single"}, "monitor": {"source": "mock"},
                             "host_tier": {"capacity_tokens": host_tokens, "pin_memory": "never"},
                             "transfer": {"prefetch_policy": policy, "prefetch_timeout_base_s": base,
-                                         "prefetch_timeout_per_ki_token_s": per_ki}}, "<test>")
+                                         "prefetch_timeout_per_ki_token_s": per_ki,
+                                         "recompute_tokens_per_s": recompute_tokens_per_s}}, "<test>")
     tier = GatedTier()
     conn = FlexFlowConnector(KVLayout.from_pool(kv, 1), cfg, fingerprint={"test": True}, tiers=[tier],
                              start_agent=False)
@@ -216,6 +219,33 @@ def test_no_job_and_no_hold_when_the_tier_can_tell_it_lacks_the_next_page(envs, 
     wait_admitted(env, req2)
     assert env.connector.metrics()["prefetch_pages"] == len(ids)
     assert env.tree.metrics()["prefetches_skipped_absent"] == 1
+
+
+def test_no_prefetch_and_no_hold_when_the_fetch_is_estimated_slower_than_the_prefill(envs):
+    """With `transfer.recompute_tokens_per_s` set, a prefetch the tier's measured read speed says
+    would arrive after the forward could have recomputed its tokens is not started and the request
+    is not held (the inline lookup's rule, asked before the hold); the match is host-only, so SGLang
+    prefills those tokens. Before the tier's first read only the selector's estimate counts (a
+    fast mock NVMe link here): the first prefetch runs, and its read is measured."""
+    # 4,000 tokens/s: the 40-token prefixes below recompute in 10 ms; a read takes >= 50 ms
+    env, tier = envs(policy="timeout", recompute_tokens_per_s=4000.0)
+    a, b = list(range(200, 240)), list(range(300, 340))
+    only_in_tier(env, tier, a)
+    only_in_tier(env, tier, b)
+    tier.delay_s = 0.05  # a slow link: every read takes 50 ms
+    req = arrive(env, "a", a + [1])  # not measured yet: fetched, and the read is timed
+    wait_admitted(env, req)
+    assert env.connector.metrics()["prefetch_pages"] == len(a)
+    assert env.tree.metrics()["prefetches_skipped_recompute_cheaper"] == 0
+    E.serve(env, "a", a + [1], req=req)
+    read = tier.pages_read
+    req2 = arrive(env, "b", b + [1])
+    assert admitted(env, req2)  # the first step: no hold
+    m, t = env.connector.metrics(), env.tree.metrics()
+    assert t["prefetches_skipped_recompute_cheaper"] == 1 and m["prefetch_pages"] == len(a)
+    r = E.serve(env, "b", b + [1], req=req2)
+    assert r.loaded == 0 and tier.pages_read == read  # recomputed: the slow tier was not read for it
+    assert env.tree._prefetch == {}
 
 
 def test_requests_sharing_a_prefix_share_one_fetch(envs):

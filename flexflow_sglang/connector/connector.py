@@ -569,10 +569,7 @@ class FlexFlowConnector:
         scheduler thread before it starts a prefetch and holds a request for it: a hold for KV that
         arrives after the forward could have computed it only delays the request. The cheapest tier
         decides; True when the rule is off or nothing was measured yet (its first read measures it)."""
-        if not self.fetch_cost.enabled or not self.tiers or pages <= 0:
-            return True
-        t = self.fetch_cost.order(self.tiers, pages)[0]
-        return self.fetch_cost.worth_fetching(t.name, t.node, pages)
+        return self.fetch_cost.worth_fetching_from(self.tiers, pages)
 
     def land_arrived(self) -> int:
         """A queued request's prefetch budget ran out: settle the pieces that landed and run their

@@ -99,3 +99,11 @@ class FetchCost:
             return True
         f = self.fetch_s(tier_name, tier_node, pages)
         return f is None or f <= self.recompute_s(pages)
+
+    def worth_fetching_from(self, tiers: Sequence, pages: int) -> bool:
+        """`worth_fetching` for the tier `order` would read first: the cheapest estimate decides,
+        and a tier with no estimate yet (free, as in `order`) means fetch. Each estimate once."""
+        if not self.enabled or pages <= 0 or not tiers:
+            return True
+        est = [self.fetch_s(t.name, t.node, pages) for t in tiers]
+        return None in est or min(est) <= self.recompute_s(pages)

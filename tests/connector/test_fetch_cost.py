@@ -51,6 +51,22 @@ def test_observed_bandwidth_counts_until_it_is_stale():
     assert c.worth_fetching("hicache_mooncake", None, 10)
 
 
+def test_the_cheapest_of_several_tiers_decides():
+    class T:
+        def __init__(self, name, node=None):
+            self.name, self.node = name, node
+    slow, fast, fresh = T("storage", "nvme0"), T("remote", "n1"), T("mooncake")
+    bw = {"nvme0": 10e6, "n1": 10e9}  # 10 pages: 1 s from storage, 1 ms from remote; recompute 0.16 s
+    c = cost(est=lambda node, nb: nb / bw[node] if node in bw else None)
+    assert not c.worth_fetching_from([slow], 10)
+    assert c.worth_fetching_from([slow, fast], 10)  # the fast tier is read first
+    assert c.worth_fetching_from([slow, fresh], 10)  # not measured yet: fetch, and measure
+    assert c.worth_fetching_from([], 10) and cost(rate=0.0, est=lambda n, b: 1e9).worth_fetching_from([slow], 10)
+    for tiers in ([slow], [slow, fast], [slow, fresh]):  # the same answer as the tier order() reads first
+        first = c.order(tiers, 10)[0]
+        assert c.worth_fetching_from(tiers, 10) == c.worth_fetching(first.name, first.node, 10)
+
+
 def test_a_failing_estimator_is_no_evidence():
     def broken(node, nb):
         raise RuntimeError("no route")

@@ -196,6 +196,25 @@ def page_hash(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_page
     return None
 
 
+def hash_rows(uint64_t base_ptr, int64_t row_stride, int64_t row_nbytes, int64_t[::1] rows, int64_t[::1] out):
+    """out[i] = the page hash of the row_nbytes bytes at base_ptr + rows[i] * row_stride: the deep
+    tiers' payload checksum (a storage file's page, read into any strided buffer), one read, GIL
+    released for all rows."""
+    cdef Py_ssize_t n = rows.shape[0], i
+    cdef uint64_t st[8]
+    if row_nbytes % 32:
+        raise ValueError(f"copy kernels: row of {row_nbytes} B is not a multiple of 32 (no hash)")
+    if out.shape[0] != n:
+        raise ValueError("copy kernels: rows and out differ in length")
+    with nogil:
+        for i in range(n):
+            memset(st, 0, sizeof(st))
+            ff_copy_fold(NULL, <const uint64_t*>(<const uint8_t*>base_ptr + rows[i] * row_stride),
+                       row_nbytes >> 3, st)
+            out[i] = <int64_t>_finish(st)
+    return None
+
+
 # CRC32 of many tier pages in one call (the storage / remote wire format stays zlib's CRC32).
 # zlib's crc32 is reached through a function pointer that the caller takes from the libz Python's
 # own zlib module uses (ctypes), so the build needs no zlib headers. One call sums every row with

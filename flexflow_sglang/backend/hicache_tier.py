@@ -9,7 +9,7 @@ into the storage or remote tier. What stays flexflow's:
 * the keys: a backend key is `ffkv1-` + hex(blake2b-128(page key, key=fingerprint hash)): it never
   contains request content, and another model/layout/shard fingerprint never shares an object;
 * integrity: each object is the storage tier's 64-byte header (magic, version, page size,
-  fingerprint hash, key id, CRC32 of the payload, header CRC) followed by the page. A get verifies
+  fingerprint hash, key id, payload checksum, header CRC) followed by the page. A get verifies
   all of it in key order; the first page that fails ends the run (a shorter hit), is counted by
   reason and dropped from the backend where the backend can delete (else quarantined: a miss);
 * when to read and write, and the path: the connector's engine jobs (never SGLang's scheduler
@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import numpy as np
 
 from ..errors import ConfigError, FlexFlowError
-from ..tiers.base import KVTier, as_pages, check_keys, fingerprint_hash, key_id, page_checksums
+from ..tiers.base import KVTier, as_pages, check_keys, fingerprint_hash, key_id, page_digests, payload_checksums
 from ..tiers.storage import HDR, build_header, parse_header
 
 log = logging.getLogger("flexflow_sglang.backend.hicache_tier")
@@ -465,7 +465,7 @@ class HiCacheStorageTier(KVTier):
                 m = min(cap, n - done)
                 sl = slice(done, done + m)
                 part = names[sl]
-                crcs = page_checksums(src[sl], m)
+                crcs = page_digests(src[sl], m)
                 for i in range(m):
                     nid = bytes.fromhex(part[i][len(KEY_PREFIX):])
                     self._np[i, :HDR] = np.frombuffer(build_header(self.page_nbytes, self._fp, nid, crcs[i]),
@@ -563,9 +563,9 @@ class HiCacheStorageTier(KVTier):
                 self._warn("object %s failed its header check (%s): a miss, dropped", nm, why)
                 self._drop([nm])
                 break
-            if page_checksums(row[HDR:].reshape(1, -1), 1)[0] != csum:
+            if payload_checksums(row[HDR:].reshape(1, -1), [csum[0]])[0] != csum[1]:
                 self._c["corrupt_dropped"] += 1
-                self._warn("object %s failed its CRC32: a miss, dropped", nm)
+                self._warn("object %s failed its payload checksum: a miss, dropped", nm)
                 self._drop([nm])
                 break
             dst[at + i] = row[HDR:]

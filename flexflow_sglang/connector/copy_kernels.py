@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from ..tiers.base import hash64_twin
 from .layout import KVLayout
 
 try:
@@ -31,8 +32,6 @@ try:
 except ImportError:  # pragma: no cover - depends on the build
     _ck = None
 
-HASH_K = np.uint64(0x9E3779B97F4A7C15)
-HASH_C = np.uint64(0xBF58476D1CE4E5B9)
 
 
 def kernels_available() -> bool:
@@ -41,20 +40,10 @@ def kernels_available() -> bool:
 
 def page_hash(rows: torch.Tensor) -> torch.Tensor:
     """Twin hash of each row of a CPU `[n, page_words]` tensor -> int64[n]. Rows that are not a
-    multiple of 32 bytes are hashed as if zero-padded to one (only the twin takes those)."""
+    multiple of 32 bytes are hashed as if zero-padded to one (only the twin takes those). The same
+    function is the storage tier's payload checksum (tiers/base.py, CHECKSUM_HASH64)."""
     b8 = rows.contiguous().view(torch.uint8).reshape(rows.shape[0], -1).numpy()
-    if b8.shape[1] % 32:
-        b8 = np.pad(b8, ((0, 0), (0, 32 - b8.shape[1] % 32)))
-    r = np.ascontiguousarray(b8).view(np.uint64).reshape(rows.shape[0], -1, 4)
-    nb = r.shape[1]
-    with np.errstate(over="ignore"):
-        a = r.sum(axis=1, dtype=np.uint64)                                   # [n, 4]
-        w = (nb - np.arange(nb, dtype=np.uint64))[None, :, None]             # nb - b
-        b = (r * w).sum(axis=1, dtype=np.uint64)                             # [n, 4], wraps
-        x = np.concatenate([a, b], axis=1) ^ (np.arange(1, 9, dtype=np.uint64) * HASH_K)
-        y = x * HASH_C
-        y ^= y >> np.uint64(32)
-        return torch.from_numpy(y.sum(axis=1, dtype=np.uint64).view(np.int64).copy())
+    return torch.from_numpy(hash64_twin(b8).view(np.int64).copy())
 
 
 def hash_rows(words: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:

@@ -185,7 +185,10 @@ def lookups_must_not_wait() -> bool:
 # misdirected transfers; it is not a MAC (the tiers trust their own directory and peers).
 # ---------------------------------------------------------------------------------------------
 
-CHECKSUM_CRC32 = 1
+CHECKSUM_CRC32 = 1   # zlib's CRC32 (storage files written before the 64-bit page hash; wire sums)
+CHECKSUM_HASH64 = 2  # the host tier's 64-bit page hash (connector/copy_kernels.py): ~8x CRC32's speed
+HASH_K = np.uint64(0x9E3779B97F4A7C15)
+HASH_C = np.uint64(0xBF58476D1CE4E5B9)
 _PAR_MIN_BYTES = 256 << 10
 _pool: Optional[ThreadPoolExecutor] = None
 _pool_lock = threading.Lock()
@@ -257,6 +260,71 @@ def page_checksums(pages: np.ndarray, n: int, rows: Optional[Sequence[int]] = No
     if len(rows) == 1 or pages.shape[1] < _PAR_MIN_BYTES or (os.cpu_count() or 1) < 2:
         return [page_checksum(pages[i]) for i in rows]
     return list(_get_pool().map(lambda i: page_checksum(pages[i]), rows))
+
+
+def hash64_twin(b8: np.ndarray) -> np.ndarray:
+    """The 64-bit page hash of each row of a 2-D uint8 array -> uint64[n], in numpy: the reference
+    the compiled kernel (_copy_kernels.hash_rows / page_hash) must match. Rows that are not a
+    multiple of 32 bytes are hashed as if zero-padded to one."""
+    if b8.shape[1] % 32:
+        b8 = np.pad(b8, ((0, 0), (0, 32 - b8.shape[1] % 32)))
+    r = np.ascontiguousarray(b8).view(np.uint64).reshape(b8.shape[0], -1, 4)
+    nb = r.shape[1]
+    with np.errstate(over="ignore"):
+        a = r.sum(axis=1, dtype=np.uint64)                                   # [n, 4]
+        w = (nb - np.arange(nb, dtype=np.uint64))[None, :, None]             # nb - b
+        b = (r * w).sum(axis=1, dtype=np.uint64)                             # [n, 4], wraps
+        x = np.concatenate([a, b], axis=1) ^ (np.arange(1, 9, dtype=np.uint64) * HASH_K)
+        y = x * HASH_C
+        y ^= y >> np.uint64(32)
+        return y.sum(axis=1, dtype=np.uint64)
+
+
+def page_digests(pages: np.ndarray, n: int, rows: Optional[Sequence[int]] = None) -> List[int]:
+    """The 64-bit page hash (CHECKSUM_HASH64, unsigned) of rows 0..n-1 (or of `rows`) of a 2-D
+    uint8 array: one compiled call with the GIL released (rows of any stride, a multiple of 32 B
+    long), else the numpy twin. The deep tiers' payload checksum: one vectorised read per page,
+    where zlib's CRC32 runs at ~4 GB/s and was a third of a storage read's CPU time."""
+    rows = range(n) if rows is None else rows
+    if len(rows) == 0:
+        return []
+    idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
+    if idx.min() < 0 or idx.max() >= pages.shape[0]:
+        raise IndexError(f"page_digests: row out of range 0..{pages.shape[0] - 1}")
+    ck = _copy_kernels()
+    if (ck is not None and pages.ndim == 2 and pages.dtype == np.uint8 and pages.strides[1] == 1
+            and pages.shape[1] % 32 == 0):  # unaligned rows are fine: the kernel loads with memcpy
+        out = np.empty(len(idx), dtype=np.int64)
+        ck.hash_rows(pages.ctypes.data, pages.strides[0], pages.shape[1], idx, out)
+        return [int(v) for v in out.view(np.uint64)]
+    return [int(v) for v in hash64_twin(np.asarray(pages)[idx])]
+
+
+def payload_checksums(pages: np.ndarray, algos: Sequence[int]) -> List[Optional[int]]:
+    """Row i's checksum under algos[i] (CHECKSUM_CRC32 or CHECKSUM_HASH64; None for another),
+    each algorithm in one call over its rows: a storage read verifies files of both formats."""
+    out: List[Optional[int]] = [None] * len(algos)
+    for algo, fn in ((CHECKSUM_CRC32, page_checksums), (CHECKSUM_HASH64, page_digests)):
+        rows = [i for i, a in enumerate(algos) if a == algo]
+        if rows:
+            for i, v in zip(rows, fn(pages, len(rows), rows)):
+                out[i] = v
+    return out
+
+
+_ck_module: Any = False
+
+
+def _copy_kernels():
+    """The compiled kernels module, or None without the build (once)."""
+    global _ck_module
+    if _ck_module is False:
+        try:
+            from .. import _copy_kernels as ck
+            _ck_module = ck if hasattr(ck, "hash_rows") else None
+        except ImportError:
+            _ck_module = None
+    return _ck_module
 
 
 def key_id(key: bytes, fp_hash: bytes, digest_size: int = 16) -> bytes:

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import FlexFlowError
 from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent, page_checksum,
-                   page_checksums, post_xfer, unique_agent_name, wait_xfers)
+                   page_digests, payload_checksums, post_xfer, unique_agent_name, wait_xfers)
 from .storage_files import HDR, MAGIC, _NAME_RE, _open_regular, build_header, parse_header  # noqa: F401 (re-exported)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
@@ -493,11 +493,12 @@ class StorageTier(KVTier):
                         except OSError as e:
                             log.debug("storage tier pread: %s", e)
                             hdr[i, :4] = 0  # fails validation below
-            sums = page_checksums(out, n)
+            heads = [parse_header(hdr[i], self._fp, bytes.fromhex(names[i][:32]), P) for i in range(n)]
+            sums = payload_checksums(out, [h[0][0] if h[0] else 0 for h in heads])
             k = 0
             for i in range(n):
-                want, reason = parse_header(hdr[i], self._fp, bytes.fromhex(names[i][:32]), P)
-                if reason or want != sums[i]:
+                want, reason = heads[i]
+                if reason or want[1] != sums[i]:
                     log.info("storage tier: dropping %s (%s)", names[i], reason or "payload checksum")
                     self._drop(names[i], corrupt=True)
                     break
@@ -596,7 +597,7 @@ class StorageTier(KVTier):
         claimed = [names[i] for i in todo]
         # rows to write, contiguous: the caller's pages when todo is 0..m-1, else a gathered copy
         src = pages if todo == list(range(len(todo))) else np.ascontiguousarray(pages[todo])
-        sums = page_checksums(src, len(todo))
+        sums = page_digests(src, len(todo))
         tmps: List[Tuple[int, str, str]] = []  # (fd, tmp name, final name)
         renamed: List[str] = []
         full, n_full = False, 0

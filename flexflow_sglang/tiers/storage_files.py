@@ -2,8 +2,12 @@
 an entry (docs/tiers.md). Split from storage.py, which keeps the index, the I/O and the policies.
 
 Header (little-endian, 64 bytes):
-  magic "FFKV" | u16 version | u16 header_len=64 | u32 checksum algo (1 = CRC32) |
-  u64 page_nbytes | 16s fingerprint hash | 16s name id | 8s payload checksum | u32 CRC32(header[:60])
+  magic "FFKV" | u16 version | u16 header_len=64 | u32 checksum algo | u64 page_nbytes |
+  16s fingerprint hash | 16s name id | 8s payload checksum | u32 CRC32(header[:60])
+Payload checksum: algo 2 (written since the 64-bit page hash replaced CRC32 here) is the host tier's
+page hash, u64; algo 1 is zlib's CRC32 in the first 4 bytes. Reads verify either, so files written
+before the change stay readable; an older build drops algo-2 files as corrupt (a miss, never a wrong
+page).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import stat as _stat
 import struct
 from typing import Optional, Tuple
 
-from .base import CHECKSUM_CRC32, page_checksum
+from .base import CHECKSUM_CRC32, CHECKSUM_HASH64, page_checksum
 
 MAGIC = b"FFKV"
 FORMAT_VERSION = 1
@@ -45,14 +49,17 @@ def _open_regular(path: str) -> Tuple[Optional[int], str]:
     return fd, ""
 
 
-def build_header(page_nbytes: int, fp_hash: bytes, name_id: bytes, checksum: int) -> bytes:
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, HDR, CHECKSUM_CRC32, page_nbytes, fp_hash, name_id,
-                       checksum.to_bytes(4, "little") + b"\0" * 4, 0)
+def build_header(page_nbytes: int, fp_hash: bytes, name_id: bytes, checksum: int,
+                 algo: int = CHECKSUM_HASH64) -> bytes:
+    width = 8 if algo == CHECKSUM_HASH64 else 4
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, HDR, algo, page_nbytes, fp_hash, name_id,
+                       checksum.to_bytes(width, "little") + b"\0" * (8 - width), 0)
     return head[:60] + struct.pack("<I", page_checksum(head[:60]))
 
 
-def parse_header(raw, fp_hash: bytes, name_id: bytes, page_nbytes: Optional[int]) -> Tuple[Optional[int], str]:
-    """(payload checksum, "") when the header is ours, else (None, reason)."""
+def parse_header(raw, fp_hash: bytes, name_id: bytes,
+                 page_nbytes: Optional[int]) -> Tuple[Optional[Tuple[int, int]], str]:
+    """((checksum algo, payload checksum), "") when the header is ours, else (None, reason)."""
     raw = bytes(raw)
     if len(raw) < HDR:
         return None, "short header"
@@ -63,7 +70,7 @@ def parse_header(raw, fp_hash: bytes, name_id: bytes, page_nbytes: Optional[int]
         return None, f"foreign format version {ver}"
     if page_checksum(raw[:60]) != hcrc:
         return None, "header checksum"
-    if algo != CHECKSUM_CRC32:
+    if algo not in (CHECKSUM_CRC32, CHECKSUM_HASH64):
         return None, f"unknown checksum algo {algo}"
     if fph != fp_hash:
         return None, "foreign fingerprint"
@@ -71,4 +78,4 @@ def parse_header(raw, fp_hash: bytes, name_id: bytes, page_nbytes: Optional[int]
         return None, "name mismatch"
     if page_nbytes is not None and pn != page_nbytes:
         return None, f"page_nbytes {pn} != {page_nbytes}"
-    return int.from_bytes(csum[:4], "little"), ""
+    return (algo, int.from_bytes(csum if algo == CHECKSUM_HASH64 else csum[:4], "little")), ""

@@ -56,3 +56,45 @@ def test_strided_pages_fall_back_to_zlib():
     wide = rng.integers(0, 256, (5, 256), dtype=np.uint8)
     view = wide[:, ::2]  # rows not contiguous: the compiled call cannot take them
     assert base.page_checksums(view, 5) == [zlib.crc32(np.ascontiguousarray(r)) & 0xFFFFFFFF for r in view]
+
+
+# ---- the 64-bit page hash (CHECKSUM_HASH64): the storage tier's payload checksum ----
+
+@pytest.mark.parametrize("page_bytes", [32, 4096, 4096 + 123, 128 << 10])  # kernel sizes and one for the twin only
+def test_page_digests_equal_the_twin_for_all_selected_and_strided_rows(page_bytes):
+    rng = np.random.default_rng(page_bytes)
+    buf = rng.integers(0, 256, (7, page_bytes + 64), dtype=np.uint8)
+    a = buf[:, 64:]  # rows whose stride is not their length (a header before each page)
+    want = [int(v) for v in base.hash64_twin(np.ascontiguousarray(a))]
+    assert base.page_digests(a, 7) == want
+    assert base.page_digests(a, 3, [6, 0, 3]) == [want[6], want[0], want[3]]
+    assert base.page_digests(np.ascontiguousarray(a), 7) == want
+    assert base.page_digests(a, 0) == []
+    with pytest.raises(IndexError):
+        base.page_digests(a, 1, [7])
+
+
+def test_the_compiled_page_hash_is_used_where_built():
+    if base._copy_kernels() is None:
+        pytest.skip("compiled kernels not built")
+    assert hasattr(base._copy_kernels(), "hash_rows")
+
+
+@pytest.mark.parametrize("page_bytes", [4096, 4096 + 123])
+def test_a_flipped_bit_or_two_swapped_words_change_the_digest(page_bytes):
+    a = np.random.default_rng(1).integers(0, 256, (3, page_bytes), dtype=np.uint8)
+    before = base.page_digests(a, 3)
+    a[1, 1234] ^= 0x10
+    w = a[2, :4096].view(np.uint64)
+    w[[5, 9]] = w[[9, 5]]  # same lane (5 and 9 are both lane 1): only the weighted sums can see it
+    w[[100, 101]] = w[[101, 100]]  # neighbouring lanes
+    after = base.page_digests(a, 3)
+    assert after[0] == before[0] and after[1] != before[1] and after[2] != before[2]
+
+
+def test_payload_checksums_verify_each_row_by_its_algorithm():
+    a = np.random.default_rng(2).integers(0, 256, (4, 4096), dtype=np.uint8)
+    got = base.payload_checksums(a, [base.CHECKSUM_CRC32, base.CHECKSUM_HASH64, 0, base.CHECKSUM_HASH64])
+    assert got[0] == _zlib(a, [0])[0]
+    assert got[1] == base.page_digests(a, 1, [1])[0] and got[3] == base.page_digests(a, 1, [3])[0]
+    assert got[2] is None  # an unknown algorithm never verifies

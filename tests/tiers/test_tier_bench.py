@@ -24,7 +24,8 @@ def test_bench_run_reports_ratios(tmp_path):
     assert r["storage_backend"] == "nixl-posix"
     for k in ("storage_write", "storage_read", "remote_write", "remote_read"):
         assert r[f"{k}_gbps"] > 0 and r[f"{k}_ratio"] > 0, (k, r)
-    for k in ("plain_write_gbps", "plain_read_gbps", "raw_ucx_write_gbps", "raw_ucx_read_gbps", "crc32_gbps"):
+    for k in ("plain_write_gbps", "plain_read_gbps", "raw_ucx_write_gbps", "raw_ucx_read_gbps", "crc32_gbps",
+              "hash64_gbps"):
         assert r[k] > 0
     assert r["remote_timeouts"] == 0
 

@@ -480,3 +480,45 @@ def test_discard_during_a_write_is_not_undone_by_it(make, monkeypatch):
     assert t.stats()["used_bytes"] == 2 * (HDR + P)
     out = np.zeros((2, P), dtype=np.uint8)
     assert t.get_many_into(ks[:2], out) == 2 and np.array_equal(out, pg[:2])
+
+
+@pytest.mark.parametrize("p", [4096, P])  # compiled hash / numpy twin
+def test_files_written_with_crc32_before_the_page_hash_still_read(make, p):
+    """Files written by a build whose payload checksum was CRC32 (algo 1) stay hits; new files carry
+    the 64-bit page hash (algo 2), and a payload that no longer matches either way is a miss."""
+    from flexflow_sglang.tiers.base import CHECKSUM_CRC32, CHECKSUM_HASH64
+    from flexflow_sglang.tiers.storage_files import build_header, parse_header
+    t = make()
+    ks, pg = keys_for(4), pages_for(4, p=p)
+    assert t.put_many(ks, pg) == 4
+    with open(_file_of(t, ks[0]), "rb") as f:
+        (algo, _), why = parse_header(f.read(HDR), t._fp, bytes.fromhex(t._name(ks[0])[:32]), p)
+    assert why == "" and algo == CHECKSUM_HASH64
+    for i in (1, 2):  # rewrite as the older format: CRC32 of the payload, algo 1
+        nm = t._name(ks[i])
+        with open(_file_of(t, ks[i]), "r+b") as f:
+            f.write(build_header(p, t._fp, bytes.fromhex(nm[:32]), page_checksum(pg[i]), algo=CHECKSUM_CRC32))
+    with open(_file_of(t, ks[2]), "r+b") as f:  # and damage one of them
+        f.seek(HDR + 7)
+        f.write(bytes([pg[2, 7] ^ 1]))
+    out = np.zeros_like(pg)
+    assert t.get_many_into(ks, out) == 2 and np.array_equal(out[:2], pg[:2])
+    assert t.stats()["corrupt_dropped"] == 1
+
+
+def test_swapped_words_in_a_stored_page_are_a_miss(make):
+    t = make()
+    ks, pg = keys_for(3), pages_for(3, p=4096)
+    t.put_many(ks, pg)
+    with open(_file_of(t, ks[1]), "r+b") as f:  # swap two 8-byte words of the payload
+        f.seek(HDR + 8 * 5)
+        a = f.read(8)
+        f.seek(HDR + 8 * 9)
+        b = f.read(8)
+        assert a != b
+        f.seek(HDR + 8 * 5)
+        f.write(b)
+        f.seek(HDR + 8 * 9)
+        f.write(a)
+    out = np.zeros_like(pg)
+    assert t.get_many_into(ks, out) == 1 and t.stats()["corrupt_dropped"] == 1

@@ -4,7 +4,7 @@
     python -m flexflow_sglang.tools.bench.tier_bench [--page-kib 1024] [--pages 64] [--repeats 5] [--json]
     flexflow bench tiers ...
 
-* storage: StorageTier.put_many / get_many_into (NIXL POSIX, header + CRC32, temp file + rename,
+* storage: StorageTier.put_many / get_many_into (NIXL POSIX, header + 64-bit page hash, temp file + rename,
   index) against a plain Python write/read of the same bytes, one file per page, same directory.
 * remote: RemoteTier.put_many / get_many_into against one tier server process, against a raw NIXL
   UCX WRITE / READ of the same bytes (same descriptor shape: one descriptor per page) from a
@@ -30,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from flexflow_sglang.tiers.base import load_nixl, make_agent, page_checksums, post_xfer, wait_xfers
+from flexflow_sglang.tiers.base import load_nixl, make_agent, page_checksums, page_digests, post_xfer, wait_xfers
 
 
 def _median_gbps(nbytes: int, times) -> float:
@@ -283,7 +283,10 @@ def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage
     probe = np.random.default_rng(3).integers(0, 256, size=(n_pages, page_nbytes), dtype=np.uint8)
     t = time.perf_counter()
     page_checksums(probe, n_pages)
-    res["crc32_gbps"] = probe.nbytes / (time.perf_counter() - t) / 1e9
+    res["crc32_gbps"] = probe.nbytes / (time.perf_counter() - t) / 1e9  # remote tier / wire sums
+    t = time.perf_counter()
+    page_digests(probe, n_pages)
+    res["hash64_gbps"] = probe.nbytes / (time.perf_counter() - t) / 1e9  # storage files' payload sums
     del probe
     if storage:
         with tempfile.TemporaryDirectory(prefix="ffbench-", dir=storage_dir) as root:

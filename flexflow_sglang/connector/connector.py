@@ -36,7 +36,8 @@ from .host_tier import HostTier
 from .layout import KVLayout
 from .model_identity import weights_digest
 from .prefetch import JOB_KINDS as PREFETCH_JOB_KINDS
-from .prefetch import PrefetchHandle, Prefetcher
+from .prefetch import PREFETCH_PIECE_BYTES, PrefetchHandle, Prefetcher
+from .staging import StagingPool
 from .write_back import WriteBack
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,10 @@ class FlexFlowConnector:
         self.fetch_cost = FetchCost(tc.recompute_tokens_per_s, layout.page_size, layout.page_nbytes,
                                     lambda node, nbytes: self.engine.estimate_s(node, self.host_node, nbytes))
         self.prefetch_policy = tc.prefetch_policy if self.engine.is_async else "off"
+        # deep reads and write-back pieces reuse staging buffers (no page faults on every read)
+        piece = min(PREFETCH_PIECE_BYTES, tc.queue_bytes // 4)
+        self.staging = StagingPool(layout.page_words, layout.word_dtype, tc.queue_bytes,
+                                   min_pages=max(1, piece // layout.page_nbytes))
         self._gen = 0  # bumped by clear(): results of jobs started before it are stale
         self._reaping = False
         #: where settling a finished job reports its time on the owner's thread (the cache sets its
@@ -450,7 +455,7 @@ class FlexFlowConnector:
     def _read_deep(self, keys: Sequence[bytes], n: int):
         """(pages got, staging, {tier: pages}): the leading `n` pages of `keys` from whichever deeper
         tier holds each run. Engine worker (or inline in sync mode); touches only its staging."""
-        staging = torch.empty((n, self.layout.page_words), dtype=self.layout.word_dtype)
+        staging = self.staging.take(n)
         u8 = staging.view(torch.uint8)
         got, hits = 0, {}
         while got < n:
@@ -688,6 +693,7 @@ class FlexFlowConnector:
         for tier in self.tiers:
             _close_tier(tier)
         self.host.close()
+        self.staging.clear()
 
     @property
     def closed(self) -> bool:
@@ -723,7 +729,7 @@ class FlexFlowConnector:
             host_tier=self.host.stats(),
             deeper_tiers={t.name: _safe_stats(t) for t in self.tiers},
             queued_stores=len(self._queue),
-            transfer=self.engine.stats(), prefetch_policy=self.prefetch_policy,
+            transfer=self.engine.stats(), prefetch_policy=self.prefetch_policy, staging=self.staging.stats(),
             page_size=ps, page_nbytes=pb, device_node=self.device_node, host_node=self.host_node,
             selector_impl=self.selector.impl,
         )

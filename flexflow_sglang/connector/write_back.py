@@ -18,6 +18,7 @@ import torch
 
 from ..transfer import Job, JobState
 from ..transfer.legs import tier_put
+from .host_tier import contiguous_runs
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +94,33 @@ class WriteBack:
         return need, sorted(lacking)
 
     def _write_through_run(self, job: Job):
-        c = self.conn
         keys, pages, tiers, rows = job.ctx
-        rows = (self._rows(pages) if rows is None else rows).view(torch.uint8)
-        return self._put_in_pieces(tiers, keys, rows)
+        if rows is not None:  # copied out when it was queued
+            return self._put_in_pieces(tiers, keys, lambda i0, i1: rows[i0:i1].view(torch.uint8))
+        # the pinned host pages themselves, piece by piece: a run of consecutive pages is a view
+        # (no copy), scattered ones are gathered into a reused staging buffer (no fresh mapping
+        # to fault in); before, the whole write-back was copied into a new tensor first
+        return self._put_in_pieces(tiers, keys, lambda i0, i1: self._piece_rows(pages[i0:i1]))
+
+    def _piece_rows(self, pages: Sequence[int]) -> torch.Tensor:
+        words = self.conn.host.words
+        runs = contiguous_runs(pages)
+        if len(runs) == 1:
+            start = runs[0][2]
+            return words[start:start + len(pages)].view(torch.uint8)
+        buf = self.conn.staging.take(len(pages))
+        torch.index_select(words, 0, torch.as_tensor(list(pages), dtype=torch.long), out=buf)
+        return buf.view(torch.uint8)
 
     def _spill_run(self, keys, tier, rows_u8) -> int:
-        got = self._put_in_pieces([tier], keys, rows_u8)[tier.name]
+        got = self._put_in_pieces([tier], keys, lambda i0, i1: rows_u8[i0:i1])[tier.name]
         if got < 0:  # counted as a failed spill when it settles
             raise RuntimeError(f"spill of {len(keys)} pages to {tier.name} failed")
         return got
 
-    def _put_in_pieces(self, tiers, keys, rows_u8) -> dict:
-        """Write `rows_u8` under `keys` to each of `tiers` in pieces of WRITE_BACK_PIECE_BYTES and
+    def _put_in_pieces(self, tiers, keys, rows_of) -> dict:
+        """Write the pages of `keys` (`rows_of(i0, i1)`: pages i0..i1-1 as uint8 rows) to each of
+        `tiers` in pieces of WRITE_BACK_PIECE_BYTES and
         return {tier name: leading pages stored, -1 if it failed before storing any}. Between two
         pieces the load-back fetches and promotions queued meanwhile run on this worker
         (engine.run_urgent): a write to a slow link takes seconds, and a load-back waiting for a
@@ -114,16 +129,17 @@ class WriteBack:
         turn the first is done sooner at no cost to the second (tried on the kv128k multi-turn run:
         prefetch queueing and TTFT went up, not down)."""
         c = self.conn
-        step = max(1, WRITE_BACK_PIECE_BYTES // max(1, int(rows_u8.shape[1])))
+        step = max(1, WRITE_BACK_PIECE_BYTES // max(1, c.layout.page_nbytes))
         out = {t.name: 0 for t in tiers}
         live = list(tiers)
         for i0 in range(0, len(keys), step):
             if i0:
                 c.engine.run_urgent("prefetch")  # fetches and promotions: what a request waits for now
             i1 = min(len(keys), i0 + step)
+            rows = rows_of(i0, i1)
             for tier in list(live):
                 try:
-                    got = tier_put(c.engine, tier, c.host_node, keys[i0:i1], rows_u8[i0:i1])
+                    got = tier_put(c.engine, tier, c.host_node, keys[i0:i1], rows)
                 except Exception:  # noqa: BLE001 - a failure only costs a future hit
                     logger.exception("flexflow: write of %d pages to %s failed", i1 - i0, tier.name)
                     got = -1

@@ -475,7 +475,8 @@ class FlexFlowRadixCache(RadixCache):
 
     @timed("metrics_export")
     def _export_metrics(self) -> None:
-        self._prom.update(self._prom_metrics())  # throttled inside
+        if self._prom.due():  # throttled: the dict is only built when it is exported
+            self._prom.update(self._prom_metrics())
 
     def _prom_metrics(self) -> Dict[str, Any]:
         m = self.connector.metrics()

@@ -74,7 +74,7 @@ class StorageTierConfig:
     enabled: bool = False
     path: str = "/tmp/flexflow-kv"
     capacity_gb: float = 10.0
-    backend: str = "auto"  # auto | posix | gds
+    backend: str = "auto"  # auto | posix | gds (NIXL) | os (compiled system calls, no NIXL)
     eviction: str = "lru"
     write_through: bool = True  # copy every stored page here too (else only host-tier evictions)
     read_only: bool = False  # serve the pages already there, write nothing (read-only media, shared copies)
@@ -164,7 +164,7 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                   "layerwise_load": ("bool", None), "shared": ("bool", None),
                   "canonical_on_insert": ("bool", None)},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
-                     "backend": ("choice", ("auto", "posix", "gds")), "eviction": ("choice", ("lru",)),
+                     "backend": ("choice", ("auto", "posix", "gds", "os")), "eviction": ("choice", ("lru",)),
                      "write_through": ("bool", None), "read_only": ("bool", None), "fsync": ("bool", None)},
     "remote_tier": {"enabled": ("bool", None), "peers": ("hostport_list", None), "listen": ("hostport", None),
                     "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),

@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: write-backs go to a tier in pieces of this many bytes; queued fetches and promotions run between two
 WRITE_BACK_PIECE_BYTES = 16 << 20
+#: before each piece a write-back waits at most this long for running / queued prefetches and fetches
+WRITE_BACK_YIELD_S = 1.0
 
 
 class WriteBack:
@@ -133,8 +135,8 @@ class WriteBack:
         out = {t.name: 0 for t in tiers}
         live = list(tiers)
         for i0 in range(0, len(keys), step):
-            if i0:
-                c.engine.run_urgent("prefetch")  # fetches and promotions: what a request waits for now
+            # fetches and promotions run here; then wait while a prefetch (a request waits on it) runs
+            c.engine.yield_to_foreground(WRITE_BACK_YIELD_S)
             i1 = min(len(keys), i0 + step)
             rows = rows_of(i0, i1)
             for tier in list(live):

@@ -128,8 +128,8 @@ class StorageTier(KVTier):
                  eviction: str = "lru", fingerprint: str = "", page_nbytes: Optional[int] = None,
                  node: str = "nvme0", capacity_bytes: Optional[int] = None,
                  disk_full_retry_s: float = 60.0, read_only: bool = False, fsync: bool = False):
-        if backend not in ("auto", "posix", "gds"):
-            raise ValueError(f"storage_tier.backend must be auto|posix|gds, got {backend!r}")
+        if backend not in ("auto", "posix", "gds", "os"):
+            raise ValueError(f"storage_tier.backend must be auto|posix|gds|os, got {backend!r}")
         if eviction != "lru":
             raise ValueError(f"storage_tier.eviction must be 'lru', got {eviction!r}")
         self.node = node
@@ -225,6 +225,9 @@ class StorageTier(KVTier):
         self._lock_fd = fd
 
     def _init_backend(self, requested: str) -> None:
+        if requested == "os":  # chosen: batched preadv/pwritev, no NIXL agent (faster from page cache)
+            log.info("storage tier %s: os backend (system calls, no NIXL)", self.path)
+            return
         nixl_agent, _, why = load_nixl()
         if nixl_agent is None:
             log.warning("nixl is not importable (%s): storage tier %s uses plain os reads/writes",

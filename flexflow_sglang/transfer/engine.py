@@ -177,7 +177,7 @@ class TransferEngine:
         self._threads: List[threading.Thread] = []
         self._closed = False
         self.c: Dict[str, int] = {k: 0 for k in ("submitted", "completed", "failed", "dropped", "dropped_bytes",
-                                                 "cancelled", "inline")}
+                                                 "cancelled", "inline", "writeback_yields", "writeback_yield_ms")}
         self.c_kind: Dict[str, Dict[str, int]] = {}
 
     # ================================================================= routing (the one place)
@@ -315,7 +315,7 @@ class TransferEngine:
             k["submitted"] += 1
             while len(self._threads) < self.n_workers:  # started on first use; idle ones wait on the condition
                 self._start_worker()
-            self._cv.notify()
+            self._cv.notify_all()  # not notify(): a waiting write-back (yield_to_foreground) or drain could take it from an idle worker
         return True
 
     def _start_worker(self) -> None:
@@ -385,6 +385,39 @@ class TransferEngine:
                 _, _, job = heapq.heappop(self._heap)
             self._run_popped(job)
             n += 1
+
+    def _foreground_busy(self) -> bool:
+        """A job a request waits on (not a write-back) is queued, or runs on another worker
+        (under self._cv)."""
+        return (self._running - self._running_wb) > 0 or any(e[2].kind not in WRITE_BACK for e in self._heap)
+
+    def yield_to_foreground(self, max_s: float) -> float:
+        """Called by a running write-back between two pieces: run the queued fetches and promotions
+        here (run_urgent), then wait while a fetch, prefetch or promotion is queued or running on
+        another worker, at most `max_s` (write-backs still progress a piece at a time under a
+        steady stream of prefetches). On a machine whose cores the forward pass already holds, a
+        write-back running beside a prefetch takes the CPU that the prefetch (which a queued request
+        waits on) needs; paused, it costs only the write-back's own latency, which nobody waits on.
+        Returns the seconds it waited."""
+        if not self.is_async or max_s <= 0:
+            return 0.0
+        t0 = time.monotonic()
+        deadline = t0 + max_s
+        waited = False
+        while True:
+            self.run_urgent("prefetch")
+            with self._cv:
+                now = time.monotonic()
+                if self._closed or now >= deadline or not self._foreground_busy():
+                    break
+                waited = True
+                self._cv.wait(min(deadline - now, 0.05))  # woken when a job ends; re-checks queued fetches
+        dt = time.monotonic() - t0
+        if waited:
+            with self._cv:
+                self.c["writeback_yields"] += 1
+                self.c["writeback_yield_ms"] += int(dt * 1e3)
+        return dt
 
     def _execute(self, job: Job) -> None:
         job.state = JobState.RUNNING

@@ -522,3 +522,15 @@ def test_swapped_words_in_a_stored_page_are_a_miss(make):
         f.write(a)
     out = np.zeros_like(pg)
     assert t.get_many_into(ks, out) == 1 and t.stats()["corrupt_dropped"] == 1
+
+
+def test_the_os_backend_is_chosen_by_config_even_where_nixl_loads(tmp_path):
+    t = StorageTier(str(tmp_path / "kv"), capacity_gb=1.0, fingerprint="m", backend="os")
+    try:
+        assert t.stats()["backend"] == "os" and t._agent is None
+        ks, pg = keys_for(3), pages_for(3, p=4096)
+        assert t.put_many(ks, pg) == 3
+        out = np.zeros_like(pg)
+        assert t.get_many_into(ks, out) == 3 and np.array_equal(out, pg)
+    finally:
+        t.close()

@@ -137,6 +137,45 @@ def test_a_long_job_runs_queued_urgent_jobs_between_its_steps(eng):
     assert eng.stats()["held_bytes"] == 0 and eng.stats()["running"] == 0
 
 
+def test_a_write_back_pauses_between_pieces_while_a_prefetch_runs(eng):
+    """yield_to_foreground: a write-back between two pieces waits while a prefetch runs on the other
+    worker (the CPU goes to what a request waits on), runs queued fetches itself meanwhile, and goes
+    on when the prefetch ends; with no foreground work it does not wait at all."""
+    log, pf_started, pf_release = [], threading.Event(), threading.Event()
+    assert eng.yield_to_foreground(1.0) < 0.05  # idle engine: no pause
+
+    def prefetch(j):
+        pf_started.set()
+        pf_release.wait(5)
+        log.append("prefetch done")
+
+    def write_back(j):
+        assert pf_started.wait(5)
+        assert eng.submit(Job("fetch", lambda j2: log.append("fetch")))
+        threading.Timer(0.3, pf_release.set).start()
+        waited = eng.yield_to_foreground(5.0)
+        log.append("piece 2")
+        return waited
+
+    assert eng.submit(Job("prefetch", prefetch)) and pf_started.wait(5)
+    wb = Job("write_through", write_back)
+    assert eng.submit(wb)
+    assert wb.wait(10)
+    assert 0.2 < wb.result < 4.0, wb.result
+    assert log.index("prefetch done") < log.index("piece 2") and "fetch" in log
+    assert eng.stats()["writeback_yields"] == 1 and eng.stats()["writeback_yield_ms"] >= 200
+
+
+def test_a_write_back_pause_is_bounded(eng):
+    release = threading.Event()
+    assert eng.submit(Job("prefetch", lambda j: release.wait(5)))
+    t0 = time.monotonic()
+    eng.yield_to_foreground(0.2)  # the prefetch never ends in time: the write-back goes on anyway
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    release.set()
+    assert eng.drain(5)
+
+
 def test_full_queue_drops_never_blocks(eng):
     gate = threading.Event()
     big = Job("write_through", lambda j: gate.wait(5), nbytes=900 << 10)

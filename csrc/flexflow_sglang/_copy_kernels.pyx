@@ -179,27 +179,10 @@ def scatter(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages,
     return bad
 
 
-def page_hash(uint64_t host_ptr, int64_t host_row_nbytes, int64_t[::1] host_pages, int64_t[::1] out):
-    """out[i] = the hash of host row host_pages[i] (one read, no copy)."""
-    cdef Py_ssize_t n = host_pages.shape[0], i
-    cdef uint64_t st[8]
-    if host_row_nbytes % 32:
-        raise ValueError(f"copy kernels: host page of {host_row_nbytes} B is not a multiple of 32 (no hash)")
-    if out.shape[0] != n:
-        raise ValueError("copy kernels: host_pages and out differ in length")
-    with nogil:
-        for i in range(n):
-            memset(st, 0, sizeof(st))
-            ff_copy_fold(NULL, <const uint64_t*>(<const uint8_t*>host_ptr + host_pages[i] * host_row_nbytes),
-                       host_row_nbytes >> 3, st)
-            out[i] = <int64_t>_finish(st)
-    return None
-
-
 def hash_rows(uint64_t base_ptr, int64_t row_stride, int64_t row_nbytes, int64_t[::1] rows, int64_t[::1] out):
-    """out[i] = the page hash of the row_nbytes bytes at base_ptr + rows[i] * row_stride: the deep
-    tiers' payload checksum (a storage file's page, read into any strided buffer), one read, GIL
-    released for all rows."""
+    """out[i] = the page hash of the row_nbytes bytes at base_ptr + rows[i] * row_stride (one read,
+    no copy, GIL released for all rows): host-tier rows (stride = row length) and the deep tiers'
+    payload checksum (a storage file's page, read into any strided buffer)."""
     cdef Py_ssize_t n = rows.shape[0], i
     cdef uint64_t st[8]
     if row_nbytes % 32:

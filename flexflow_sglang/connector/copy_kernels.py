@@ -52,7 +52,7 @@ def hash_rows(words: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
     idx = _pages_array(pages, words.shape[0], "host page")
     if _ck is not None and words.device.type == "cpu" and words.is_contiguous() and nb % 32 == 0:
         out = np.empty(len(idx), dtype=np.int64)
-        _ck.page_hash(words.data_ptr(), nb, idx, out)
+        _ck.hash_rows(words.data_ptr(), nb, nb, idx, out)
         return torch.from_numpy(out)
     return page_hash(words.index_select(0, torch.from_numpy(idx)))
 

@@ -123,9 +123,9 @@ class WriteBack:
     def _put_in_pieces(self, tiers, keys, rows_of) -> dict:
         """Write the pages of `keys` (`rows_of(i0, i1)`: pages i0..i1-1 as uint8 rows) to each of
         `tiers` in pieces of WRITE_BACK_PIECE_BYTES and
-        return {tier name: leading pages stored, -1 if it failed before storing any}. Between two
-        pieces the load-back fetches and promotions queued meanwhile run on this worker
-        (engine.run_urgent): a write to a slow link takes seconds, and a load-back waiting for a
+        return {tier name: leading pages stored, -1 if it failed before storing any}. Before each
+        piece the load-back fetches and promotions queued meanwhile run on this worker, and it waits
+        while a prefetch runs (engine.yield_to_foreground): a write to a slow link takes seconds, and a load-back waiting for a
         worker behind it became a miss at its timeout. Queued prefetches are not taken here: on a
         CPU-bound machine two prefetches at once share the cores and both finish late, where in
         turn the first is done sooner at no cost to the second (tried on the kv128k multi-turn run:

@@ -21,6 +21,11 @@ import numpy as np
 
 log = logging.getLogger("flexflow_sglang.tiers")
 
+try:  # the compiled kernels: many-row CRC32 and the 64-bit page hash (numpy / zlib without them)
+    from .. import _copy_kernels as _ck
+except ImportError:  # pragma: no cover - depends on the build
+    _ck = None
+
 
 class KVTier(abc.ABC):
     """A KV tier below host memory (storage, remote, or one a user registers: tiers/registry.py).
@@ -223,7 +228,9 @@ def _native_crc32() -> Tuple[Any, int]:
     try:
         import ctypes
         import ctypes.util
-        from .. import _copy_kernels as ck
+        ck = _ck
+        if ck is None:
+            raise ImportError("flexflow_sglang._copy_kernels is not built")
         libz = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
         addr = ctypes.cast(libz.crc32, ctypes.c_void_p).value or 0
         probe = np.frombuffer(bytes(range(256)) * 67, dtype=np.uint8).reshape(2, -1).copy()
@@ -264,7 +271,7 @@ def page_checksums(pages: np.ndarray, n: int, rows: Optional[Sequence[int]] = No
 
 def hash64_twin(b8: np.ndarray) -> np.ndarray:
     """The 64-bit page hash of each row of a 2-D uint8 array -> uint64[n], in numpy: the reference
-    the compiled kernel (_copy_kernels.hash_rows / page_hash) must match. Rows that are not a
+    the compiled kernel (_copy_kernels.hash_rows) must match. Rows that are not a
     multiple of 32 bytes are hashed as if zero-padded to one."""
     if b8.shape[1] % 32:
         b8 = np.pad(b8, ((0, 0), (0, 32 - b8.shape[1] % 32)))
@@ -291,7 +298,7 @@ def page_digests(pages: np.ndarray, n: int, rows: Optional[Sequence[int]] = None
     idx = np.fromiter(rows, dtype=np.int64, count=len(rows))
     if idx.min() < 0 or idx.max() >= pages.shape[0]:
         raise IndexError(f"page_digests: row out of range 0..{pages.shape[0] - 1}")
-    ck = _copy_kernels()
+    ck = _ck
     if (ck is not None and pages.ndim == 2 and pages.dtype == np.uint8 and pages.strides[1] == 1
             and pages.shape[1] % 32 == 0):  # unaligned rows are fine: the kernel loads with memcpy
         out = np.empty(len(idx), dtype=np.int64)
@@ -310,21 +317,6 @@ def payload_checksums(pages: np.ndarray, algos: Sequence[int]) -> List[Optional[
             for i, v in zip(rows, fn(pages, len(rows), rows)):
                 out[i] = v
     return out
-
-
-_ck_module: Any = False
-
-
-def _copy_kernels():
-    """The compiled kernels module, or None without the build (once)."""
-    global _ck_module
-    if _ck_module is False:
-        try:
-            from .. import _copy_kernels as ck
-            _ck_module = ck if hasattr(ck, "hash_rows") else None
-        except ImportError:
-            _ck_module = None
-    return _ck_module
 
 
 def key_id(key: bytes, fp_hash: bytes, digest_size: int = 16) -> bytes:

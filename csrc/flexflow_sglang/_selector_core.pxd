@@ -41,6 +41,7 @@ ctypedef struct Result:
     double est
     double gain
     double cost
+    double aux_util
     double nbytes
     int idx[8]
     long long sh[8]

@@ -325,6 +325,7 @@ cdef class PairCore:
             res.qos = True
             res.reason = 4
             res.aux_link = self.s_worst[choose]
+            res.aux_util = self.util[res.aux_link] if res.aux_link >= 0 else 0.0
             res.aux_path = choose
             res.gain = 0.0
             res.cost = self.s_cost[choose]
@@ -451,6 +452,7 @@ cdef class PairCore:
                     res.qos = False
                     res.reason = 3
                     res.aux_link = -1
+                    res.aux_util = 0.0
                     res.aux_path = -1
                     res.gain = sgain
                     res.cost = cur_cost
@@ -465,6 +467,7 @@ cdef class PairCore:
         res.qos = False
         res.reason = reason
         res.aux_link = aux_link
+        res.aux_util = self.util[aux_link] if aux_link >= 0 else 0.0
         res.aux_path = aux_path
         res.gain = gain
         res.cost = cost
@@ -478,7 +481,8 @@ cdef class PairCore:
 
 cdef tuple _result_tuple(Result* r):
     """*r as cost_model.CoreResult's layout, a plain tuple (a NamedTuple costs a Python call):
-    (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost)"""
+    (kind, indices, shares, est_bw_gbps, est_time_us, qos_violation, reason, aux_link, aux_path, gain, cost,
+    aux_util)"""
     cdef int i
     if r.n == 1:
         idx = (r.idx[0],)
@@ -490,7 +494,7 @@ cdef tuple _result_tuple(Result* r):
         idx = tuple([r.idx[i] for i in range(r.n)])
         shares = tuple([r.sh[i] for i in range(r.n)])
     return (r.kind, idx, shares, r.bw, r.est, True if r.qos else False, r.reason, r.aux_link, r.aux_path,
-            r.gain, r.cost)
+            r.gain, r.cost, r.aux_util)
 
 
 cdef class DecisionBase:

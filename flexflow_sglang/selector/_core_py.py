@@ -216,6 +216,9 @@ class PairCore:
                 return False
         return True
 
+    def _util_of(self, link):
+        return float(self.util[link]) if link >= 0 else 0.0
+
     def decide(self, request, paths, selector, ttft_default, cls):
         return cls(request, paths, self.select(request.data_bytes, request.ttft_sensitive or ttft_default),
                    selector)
@@ -240,8 +243,9 @@ class PairCore:
                     best_dir = p
         if best_ok < 0:
             choose = best_all
+            worst = self.s_worst[choose]
             return CoreResult(ptype[choose], (choose,), (int(nbytes),), self.s_bw[choose], self.s_est[choose], True,
-                              4, self.s_worst[choose], choose, 0.0, s_cost[choose])
+                              4, worst, choose, 0.0, s_cost[choose], self._util_of(worst))
         choose = best_ok
         params = self.params
         if ptype[choose] != PT_DIRECT:
@@ -348,10 +352,11 @@ class PairCore:
                         shares.append(s)
                         rem -= s
                     shares.append(rem)
-                    return CoreResult(PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost)
+                    return CoreResult(PT_SPLIT, idx, tuple(shares), cur_bw, cur_est, False, 3, -1, -1, sgain, cur_cost, 0.0)
         if reason == 0:
             gain = 0.0
-        return CoreResult(kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost)
+        return CoreResult(kind, (choose,), (int(nbytes),), bw, est, False, reason, aux_link, aux_path, gain, cost,
+                          self._util_of(aux_link))
 
     def scores(self, nbytes, ttft):
         self._score(float(nbytes), bool(ttft))

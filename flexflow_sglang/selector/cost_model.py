@@ -79,10 +79,13 @@ class CoreResult(NamedTuple):
     aux_path: int  # the relay that was not taken (reason 5) or the least-bad path (4), -1 if none
     gain: float  # relative gain of the relay or split over what it replaced
     cost: float  # the cost the choice won with (microseconds, weighted)
+    # aux_link's utilisation when the choice was made: the reason quotes it, and the agent's live
+    # array has moved on by the time anyone reads the reason (0.0 when aux_link is -1)
+    aux_util: float
 
 
 (R_KIND, R_INDICES, R_SHARES, R_EST_BW, R_EST_TIME, R_QOS_VIOLATION, R_REASON, R_AUX_LINK, R_AUX_PATH,
- R_GAIN, R_COST) = range(len(CoreResult._fields))
+ R_GAIN, R_COST, R_AUX_UTIL) = range(len(CoreResult._fields))
 
 
 # ----------------------------------------------------------------------------- formulas

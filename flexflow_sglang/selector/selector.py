@@ -180,5 +180,5 @@ class PathSelector:
         bw, est, cost, rej = t.core.scores(float(request.data_bytes), bool(request.ttft_sensitive))[i]
         raw = CoreResult(kind=PATH_TYPE_CODES[t.paths[i].type], indices=(i,), shares=(request.data_bytes,),
                          est_bw_gbps=bw, est_time_us=est, qos_violation=rej, reason=0, aux_link=-1, aux_path=-1,
-                         gain=0.0, cost=cost)
+                         gain=0.0, cost=cost, aux_util=0.0)
         return PathDecision(request, t.paths, raw, self)

@@ -171,7 +171,7 @@ class PathDecision(_DecisionBase):
         out["via"] = ",".join(relay_path.relays) or "-"
         if raw.aux_link >= 0:
             link = self._sel.topology.links[raw.aux_link]
-            out.update(link=f"{link.a}-{link.b}", util=float(self._sel.agent.util[raw.aux_link]),
+            out.update(link=f"{link.a}-{link.b}", util=raw.aux_util,
                        thr=cfg.threshold_for(link.qos_class), qos=link.qos_class)
         return out
 

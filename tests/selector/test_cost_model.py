@@ -123,3 +123,18 @@ def test_the_agent_discounts_the_models_relay_fill():
     agent.report_transfer(path.links, nbytes, fixed + nbytes / (0.6 * cap_bps), relays=len(path.relays))
     bott = min(path.links, key=lambda l: topo.links[l].capacity_gbps)
     assert agent._fb_util[bott] == pytest.approx(0.4, abs=1e-9)
+
+
+@pytest.mark.parametrize("impl", ["python", pytest.param("compiled", marks=compiled)])
+def test_the_reason_quotes_the_load_the_decision_saw(impl):
+    """A QoS rejection's reason names the link's utilisation at the decision, not whatever the
+    agent's live array holds when the reason is read (the contention lab logged "at 48% > 80%")."""
+    topo = make_mock("hosts3")  # n0, n1, n2 in a triangle of rdma links
+    agent = NodeAgent(topo, source="mock")
+    agent.set_utilization("n0", "n2", 0.95)
+    sel = PathSelector(topo, agent, impl=impl)
+    d = sel.select(TransferRequest("n0", "n2", 16 << 20))
+    assert d.reason_code == 2 and d.raw.aux_link >= 0, d.reason
+    assert d.raw.aux_util == pytest.approx(float(agent.util[d.raw.aux_link]))
+    agent.set_utilization("n0", "n2", 0.1)  # the load moves on before anyone reads the reason
+    assert "at 95% >" in d.reason, d.reason

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import yaml
 
 from .errors import ConfigError
+from .transfer.trace import DEFAULT_TRACE_MAX_JOBS
 
 ENV_VAR = "FLEXFLOW_CONFIG"
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -126,6 +127,10 @@ class TransferConfig:
     # niceness added to the engine's worker threads: background I/O and checksums yield the CPU to
     # the scheduler thread and the forward's threads when cores are short (0: same priority)
     worker_nice: int = 0
+    # opt-in timeline of finished background jobs: <trace_path>.<pid>.jsonl, owner-only, at most
+    # trace_max_jobs lines (transfer/trace.py); None: off
+    trace_path: Optional[str] = None
+    trace_max_jobs: int = DEFAULT_TRACE_MAX_JOBS
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                  "load_timeout_ms": ("positive", None),
                  "prefetch_policy": ("choice", ("off", "best_effort", "wait_complete", "timeout")),
                  "prefetch_timeout_base_s": ("nonneg", None), "prefetch_timeout_per_ki_token_s": ("nonneg", None),
-                 "recompute_tokens_per_s": ("nonneg", None), "worker_nice": ("int_range", (0, 19))},
+                 "recompute_tokens_per_s": ("nonneg", None), "worker_nice": ("int_range", (0, 19)),
+                 "trace_path": ("opt_str", None), "trace_max_jobs": ("int_range", (1, 100_000_000))},
 }
 _TOP_SCALARS = {"selector_impl": ("choice", ("auto", "compiled", "python")), "log_level": ("choice",
                 ("DEBUG", "INFO", "WARNING", "ERROR"))}

@@ -51,6 +51,9 @@ MAX_KEY_MEMOS = 512
 #: match_prefix hashes and looks up pages beyond the device prefix in chunks that grow by 4x, so a
 #: miss costs one small chunk of hashing, not the whole prompt
 LOOKUP_CHUNK_PAGES = 16
+#: longest sleep of SGLang's idle scheduler loop while a queued request waits for its prefetch
+#: (idle_wait): woken earlier by any finished or submitted engine job
+IDLE_WAIT_S = 0.005
 
 class _HostHit:
     """What match_prefix promised for one request attempt; consumed by init_load_back."""
@@ -110,7 +113,7 @@ class FlexFlowRadixCache(RadixCache):
         self._m: Dict[str, int] = {k: 0 for k in (
             "host_hit_matches", "load_backs", "load_back_tokens", "load_back_failures", "load_back_stale",
             "storage_hit_tokens", "stores_issued", "on_evict_stores", "agreements", "adopted_pages", "adopt_failures", "prefetches_issued", "prefetches_shared", "prefetches_skipped_absent", "prefetches_skipped_recompute_cheaper",
-            "prefetch_holds", "prefetch_timeouts", "prefetch_ready", "layerwise_load_backs")}
+            "prefetch_holds", "prefetch_timeouts", "prefetch_ready", "layerwise_load_backs", "idle_waits")}
         super().__init__(params)
         self.rank_sync = RankSync.from_params(params)
         if connector is None:
@@ -640,6 +643,24 @@ class FlexFlowRadixCache(RadixCache):
                 self._m["prefetch_ready"] += 1
                 if e.handle is not None and not e.handle.done:
                     self._m["prefetch_timeouts"] += 1
+
+    def idle_wait(self, scheduler) -> None:
+        """Scheduler.on_idle (plugin hook): SGLang found no batch to run. While a queued request
+        is held for its prefetch, SGLang's loop would spin straight back, holding the GIL: the
+        workers reading that prefetch then wait up to the interpreter's switch interval (5 ms)
+        after every system call, so a prefetch of many files crawled (kv128k multi-turn: 130 MB
+        in 430-630 ms with the server idle, 55 ms when it ran beside a forward). Sleep on the
+        engine until a job finishes or is submitted, at most IDLE_WAIT_S: nothing is decoding
+        (no batch), and a new request waits at most that long to be received."""
+        conn = self.connector
+        if conn is None or conn.closed or not self._prefetch:
+            return
+        rb = getattr(scheduler, "running_batch", None)
+        if rb is not None and not rb.is_empty():
+            return
+        if any(not e.ready and e.handle is not None and not e.handle.done for e in self._prefetch.values()):
+            self._m["idle_waits"] += 1
+            conn.engine.wait_for_progress(IDLE_WAIT_S)
 
     def _prefetched_pages(self, req: "Req", n: int) -> int:
         """Pages of this load-back that its prefetch brought from a deeper tier (reported to

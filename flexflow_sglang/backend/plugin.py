@@ -33,6 +33,8 @@ ARRIVAL_TARGET = "sglang.srt.managers.scheduler.Scheduler._prefetch_kvcache"
 #: per candidate request in get_new_batch_prefill; a request whose prefetch must finish first is
 #: skipped (stays queued), as SGLang does for check_prefetch_progress behind enable_hicache_storage
 ADMIT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req"
+#: SGLang found no batch to run; flexflow sleeps on its engine while a held prefetch runs (idle_wait)
+IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 WEIGHT_UPDATE_TARGET = ("sglang.srt.managers.scheduler_components.weight_updater."
                         "SchedulerWeightUpdaterManager.flush_cache_after_weight_update")
 
@@ -72,6 +74,7 @@ def _register_hooks() -> None:
     # prefetch on arrival (transfer engine), and hold the request until the policy lets it run
     HookRegistry.register(ARRIVAL_TARGET, _flexflow_arrival, HookType.AROUND)
     HookRegistry.register(ADMIT_TARGET, _flexflow_admit, HookType.AROUND)
+    HookRegistry.register(IDLE_TARGET, _flexflow_idle, HookType.AFTER)
     # new weights make every host copy stale
     HookRegistry.register(WEIGHT_UPDATE_TARGET, _clear_host_after_weight_update, HookType.BEFORE)
     # PD: KV managers of --disaggregation-transfer-backend nixl (active only with pd.enabled)
@@ -85,6 +88,13 @@ def _flexflow_tick(scheduler, *args, **kwargs):
     if getattr(tc, "is_flexflow", False):
         tc.tick()
     return None  # keep the original arguments
+
+
+def _flexflow_idle(result, scheduler, *args, **kwargs):
+    tc = getattr(scheduler, "tree_cache", None)
+    if getattr(tc, "is_flexflow", False):
+        tc.idle_wait(scheduler)
+    return None  # keep the original result
 
 
 def _flexflow_arrival(original, scheduler, req, *args, **kwargs):

@@ -35,6 +35,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from .jobs import PRIORITY, WRITE_BACK, Job, JobState, MoveStats
+from .trace import JobTrace
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ class Ticket:
 class TransferEngine:
     def __init__(self, selector, agent, *, mode: str = "async", workers: int = 2,
                  queue_bytes: int = DEFAULT_QUEUE_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 ttft_sensitive: bool = False, name: str = "ff-transfer", worker_nice: int = 0):
+                 ttft_sensitive: bool = False, name: str = "ff-transfer", worker_nice: int = 0,
+                 trace: Optional[JobTrace] = None):
         if mode not in ("async", "sync"):
             raise ValueError(f"transfer mode must be 'async' or 'sync', got {mode!r}")
         self.selector = selector
@@ -162,6 +164,7 @@ class TransferEngine:
         self.ttft_sensitive = ttft_sensitive
         self.name = name
         self.worker_nice = max(0, int(worker_nice))
+        self.trace = trace  # opt-in timeline of finished background jobs (transfer/trace.py)
         # bytes and seconds per chosen path type (moves record "<type>", tier I/O "tier:<type>")
         self.by_type: Dict[str, Dict[str, float]] = {}
         self._cv = threading.Condition()
@@ -367,6 +370,8 @@ class TransferEngine:
                 self._held -= job.nbytes
                 self._finished.append(job)
                 self._cv.notify_all()
+            if self.trace is not None:  # after the lock: the file write holds up no other worker
+                self.trace.record(job)
 
     def run_urgent(self, kind: str) -> int:
         """Called by a running job of `kind` between two of its steps (a prefetch between pieces):
@@ -418,6 +423,16 @@ class TransferEngine:
                 self.c["writeback_yields"] += 1
                 self.c["writeback_yield_ms"] += int(dt * 1e3)
         return dt
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Sleep until a job finishes or is submitted, at most `timeout_s` (the GIL released
+        meanwhile). For an owner thread with nothing to do but wait for the engine: see
+        FlexFlowRadixCache.idle_wait."""
+        if not self.is_async or timeout_s <= 0:
+            return
+        with self._cv:
+            if not self._closed and (self._heap or self._running):
+                self._cv.wait(timeout_s)
 
     def _execute(self, job: Job) -> None:
         job.state = JobState.RUNNING
@@ -509,6 +524,8 @@ class TransferEngine:
             th.join(max(0.0, end - time.monotonic()))
             if th.is_alive():
                 logger.warning("flexflow transfer: worker %s still running at close", th.name)
+        if self.trace is not None:
+            self.trace.close()
 
     @property
     def closed(self) -> bool:
@@ -517,6 +534,7 @@ class TransferEngine:
     def stats(self) -> Dict[str, Any]:
         with self._cv:
             queued, held, running = len(self._heap), self._held, self._running
-        return dict(self.c, mode=self.mode, workers=len(self._threads), writeback_limit=self.writeback_limit,
+        trace = self.trace.stats() if self.trace is not None else {}
+        return dict(self.c, **trace, mode=self.mode, workers=len(self._threads), writeback_limit=self.writeback_limit,
                     queued=queued, running=running,
                     held_bytes=held, queue_bytes=self.queue_bytes, by_kind={k: dict(v) for k, v in self.c_kind.items()})

@@ -331,3 +331,39 @@ def test_prefetch_locks_are_bounded_to_a_quarter_of_the_pool(envs):
     for r in reqs:
         wait_admitted(env, r)
     assert env.tree._prefetch_lock_tokens == 0 and env.tree.protected_size() == 0
+
+
+class _Batch:
+    def __init__(self, empty):
+        self.empty = empty
+
+    def is_empty(self):
+        return self.empty
+
+
+def test_idle_scheduler_sleeps_on_the_engine_while_a_prefetch_is_held(envs, monkeypatch):
+    """SGLang's on_idle (no batch): with a request held for its prefetch the loop sleeps on the engine
+    (GIL released) until a job finishes, instead of spinning; never with a running batch or nothing held."""
+    from flexflow_sglang.backend import cache as cache_mod
+    env, tier = envs(policy="timeout")
+    sched = Sched(env.tree)
+    t0 = time.monotonic()
+    plugin._flexflow_idle(None, sched)
+    assert env.tree.metrics()["idle_waits"] == 0 and time.monotonic() - t0 < 0.5  # nothing held: no sleep
+    ids = list(range(300, 340))
+    only_in_tier(env, tier, ids)
+    tier.gate.clear()
+    req = arrive(env, "b", ids + [1])
+    assert not admitted(env, req)
+    monkeypatch.setattr(cache_mod, "IDLE_WAIT_S", 30.0)
+    sched.running_batch = _Batch(empty=False)  # a decode batch exists: never sleep
+    plugin._flexflow_idle(None, sched)
+    assert env.tree.metrics()["idle_waits"] == 0
+    sched.running_batch = _Batch(empty=True)
+    threading.Timer(0.2, tier.gate.set).start()
+    t0 = time.monotonic()
+    plugin._flexflow_idle(None, sched)  # woken by the finished prefetch, long before 30 s
+    waited = time.monotonic() - t0
+    assert env.tree.metrics()["idle_waits"] == 1 and 0.15 < waited < 10.0, waited
+    wait_admitted(env, req)
+    assert E.serve(env, "b", ids + [1], req=req).loaded == len(ids)

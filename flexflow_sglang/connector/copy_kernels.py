@@ -78,6 +78,18 @@ def _pages_array(pages, limit: int, what: str) -> np.ndarray:
     return a
 
 
+def _in_slot_order(dp: np.ndarray, *arrays):
+    """The kernels walk pages in ascending device-page order: SGLang's allocator hands out scattered
+    slots, and in slot order the reads/writes of each layer buffer move forward through memory, so
+    the page-table walks hit cached entries and the DRAM pages stay open (page 1, kv128k volume:
+    a 128 MiB move ~14.5 -> ~11 ms, ad hoc A/B at 1f3ea96). -> (order or None if already sorted,
+    dp and `arrays` permuted alike)."""
+    if dp.size < 2 or bool((dp[1:] >= dp[:-1]).all()):
+        return None, (dp, *arrays)
+    order = np.argsort(dp, kind="stable")
+    return order, (dp[order], *(np.ascontiguousarray(a[order]) for a in arrays))
+
+
 class PageCopier:
     """Fused copy + checksum between a KVLayout's device pool and host page rows."""
 
@@ -109,10 +121,17 @@ class PageCopier:
         hp = _pages_array(host_pages, host.shape[0], "host page")
         if len(dp) != len(hp):
             raise ValueError(f"gather: {len(dp)} device pages for {len(hp)} host pages")
+        order, (dp, hp) = _in_slot_order(dp, hp)
         sums = np.empty(len(dp), dtype=np.int64) if with_sums else None
         _ck.gather(self._seg_ptr, self._seg_stride, self._seg_nbytes, dp, host.data_ptr(),
                    self.layout.page_nbytes, hp, sums, _threads(len(dp), self.layout.page_nbytes))
-        return torch.from_numpy(sums) if with_sums else None
+        if not with_sums:
+            return None
+        if order is not None:  # back to the caller's page order
+            out = np.empty_like(sums)
+            out[order] = sums
+            sums = out
+        return torch.from_numpy(sums)
 
     def scatter(self, host: torch.Tensor, host_pages: Sequence[int], dev_pages,
                 expect: Optional[torch.Tensor] = None) -> int:
@@ -131,9 +150,15 @@ class PageCopier:
                                        dtype=np.int64).reshape(-1)
             if len(exp) != len(dp):
                 raise ValueError(f"scatter: {len(exp)} checksums for {len(dp)} pages")
+        order, (dp, hp, *rest) = _in_slot_order(dp, hp, *([exp] if exp is not None else []))
+        if exp is not None:
+            exp = rest[0]
         flags = np.zeros(len(dp), dtype=np.uint8) if exp is not None else None
-        return int(_ck.scatter(host.data_ptr(), self.layout.page_nbytes, hp, self._seg_ptr, self._seg_stride,
-                               self._seg_nbytes, dp, exp, _threads(len(dp), self.layout.page_nbytes), flags))
+        bad = int(_ck.scatter(host.data_ptr(), self.layout.page_nbytes, hp, self._seg_ptr, self._seg_stride,
+                              self._seg_nbytes, dp, exp, _threads(len(dp), self.layout.page_nbytes), flags))
+        if bad < 0 or order is None:
+            return bad
+        return int(order[np.flatnonzero(flags)].min())  # the first bad page in the caller's order
 
     # ----------------------------------------------------------------- one layer (layer-wise load-back)
     def _layer_tables(self, layer: int):
@@ -154,6 +179,7 @@ class PageCopier:
         if len(dp) != len(hp):
             raise ValueError(f"scatter_layer: {len(dp)} device pages for {len(hp)} host pages")
         ptr, stride, nbytes, offset = self._layer_tables(layer)
+        _, (dp, hp) = _in_slot_order(dp, hp)
         _ck.scatter(host.data_ptr() + offset, self.layout.page_nbytes, hp, np.ascontiguousarray(ptr),
                     np.ascontiguousarray(stride), np.ascontiguousarray(nbytes), dp, None, max(1, threads), None)
 

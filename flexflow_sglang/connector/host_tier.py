@@ -84,6 +84,10 @@ class HostTier:
     def page_of(self, key: bytes) -> Optional[int]:
         return self._lru.get(key)
 
+    def pages_of(self, keys: Sequence[bytes]) -> List[Optional[int]]:
+        """page_of for every key (None where absent); one C-level pass, LRU order untouched."""
+        return list(map(self._lru.get, keys))
+
     def pages_for(self, keys: Sequence[bytes]) -> List[int]:
         """Host pages of the leading present keys (marks them most recently used)."""
         out = []
@@ -169,6 +173,9 @@ class HostTier:
                 sums = self.page_sums(pages)
             self._sums[torch.as_tensor(pages, dtype=torch.long)] = sums
         lru = self._lru
+        if lru.keys().isdisjoint(keys):  # the usual store: every key new, no page to free
+            lru.update(zip(keys, pages))
+            return
         for k, p in zip(keys, pages):
             old = lru.pop(k, None)
             if old is not None:  # a duplicate key: keep the fresh copy, free the old page

@@ -461,6 +461,17 @@ class SharedHostTier:
             self._reads[p] = int(self._gen[p])
         return p
 
+    def pages_of(self, keys: Sequence[bytes]) -> List[Optional[int]]:
+        """page_of for every key, under one lock and one lookup."""
+        if not keys:
+            return []
+        with self._locked():
+            found = self._find(self._key_array(keys))
+            held = found[found >= 0]
+            for p, g in zip(held.tolist(), self._gen[held].tolist()):
+                self._reads[p] = g
+        return [p if p >= 0 else None for p in found.tolist()]
+
     def pages_for(self, keys: Sequence[bytes]) -> List[int]:
         if not keys:
             return []

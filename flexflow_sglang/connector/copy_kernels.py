@@ -19,6 +19,7 @@ then differs unless the changes cancel (~2**-64). Pages (and each segment) are m
 
 from __future__ import annotations
 
+import glob
 from typing import Optional, Sequence
 
 import numpy as np
@@ -59,6 +60,33 @@ def hash_rows(words: torch.Tensor, pages: Sequence[int]) -> torch.Tensor:
 
 #: below this many bytes a move runs on the calling thread (starting the OpenMP team costs more)
 PARALLEL_MIN_BYTES = 4 << 20
+
+
+def _last_level_cache_bytes(default: int = 32 << 20) -> int:
+    """The largest CPU cache sysfs reports (cpu0), or `default` where it reports none."""
+    best = 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(f"{d}/size") as f:
+                txt = f.read().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
+        digits = txt.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * mult)
+    return best or default
+
+
+#: a move of at least this many bytes is written with streaming (non-temporal) stores: it cannot
+#: stay in the cache anyway, and a regular store first reads each destination line (three memory
+#: passes instead of two). glibc's memcpy switches at 3/4 of the shared cache; the same rule here.
+#: Below it, regular stores leave the bytes in cache for the forward that reads them next.
+STREAMING_MIN_BYTES = max(4 << 20, _last_level_cache_bytes() * 3 // 4)
+
+
+def _streaming(n_pages: int, page_nbytes: int) -> bool:
+    return n_pages * page_nbytes >= STREAMING_MIN_BYTES
 
 
 def _threads(n_pages: int, page_nbytes: int) -> int:
@@ -123,8 +151,9 @@ class PageCopier:
             raise ValueError(f"gather: {len(dp)} device pages for {len(hp)} host pages")
         order, (dp, hp) = _in_slot_order(dp, hp)
         sums = np.empty(len(dp), dtype=np.int64) if with_sums else None
-        _ck.gather(self._seg_ptr, self._seg_stride, self._seg_nbytes, dp, host.data_ptr(),
-                   self.layout.page_nbytes, hp, sums, _threads(len(dp), self.layout.page_nbytes))
+        nb = self.layout.page_nbytes
+        _ck.gather(self._seg_ptr, self._seg_stride, self._seg_nbytes, dp, host.data_ptr(), nb, hp, sums,
+                   _threads(len(dp), nb), _streaming(len(dp), nb))
         if not with_sums:
             return None
         if order is not None:  # back to the caller's page order
@@ -154,8 +183,9 @@ class PageCopier:
         if exp is not None:
             exp = rest[0]
         flags = np.zeros(len(dp), dtype=np.uint8) if exp is not None else None
-        bad = int(_ck.scatter(host.data_ptr(), self.layout.page_nbytes, hp, self._seg_ptr, self._seg_stride,
-                              self._seg_nbytes, dp, exp, _threads(len(dp), self.layout.page_nbytes), flags))
+        nb = self.layout.page_nbytes
+        bad = int(_ck.scatter(host.data_ptr(), nb, hp, self._seg_ptr, self._seg_stride, self._seg_nbytes, dp, exp,
+                              _threads(len(dp), nb), flags, _streaming(len(dp), nb)))
         if bad < 0 or order is None:
             return bad
         return int(order[np.flatnonzero(flags)].min())  # the first bad page in the caller's order

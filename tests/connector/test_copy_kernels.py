@@ -4,9 +4,18 @@ import pytest
 import torch
 
 from flexflow_sglang.connector import KVLayout
+from flexflow_sglang.connector import copy_kernels
 from flexflow_sglang.connector.copy_kernels import PageCopier, hash_rows, kernels_available, page_hash
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="flexflow_sglang._copy_kernels not built")
+
+
+@pytest.fixture(autouse=True, params=["regular", "streaming"])
+def store_kind(request, monkeypatch):
+    """Every test here runs with the kernels' regular stores and with their streaming stores (which
+    moves larger than the cache take: STREAMING_MIN_BYTES); same bytes, same sums either way."""
+    monkeypatch.setattr(copy_kernels, "STREAMING_MIN_BYTES", 0 if request.param == "streaming" else 1 << 62)
+    return request.param
 
 
 def _pool(page_size, layers=3, heads=2, head_dim=8, dtype=torch.float16, mla=False, pages=12, seed=0):
@@ -123,3 +132,32 @@ def test_pages_in_any_order_report_in_the_callers_order():
         for t in layer:
             for s, d in zip(dev, [4, 12, 2, 8, 11]):
                 assert torch.equal(t[s].view(torch.uint8), t[d].view(torch.uint8))
+
+
+def test_streaming_and_regular_stores_give_the_same_bytes_and_sums(store_kind):
+    """The raw kernels with nt on and off, one source: identical rows, sums and device pages."""
+    from flexflow_sglang import _copy_kernels as ck
+    import numpy as np
+    bufs, layout = _pool(1, layers=2, heads=4, head_dim=16, dtype=torch.float32, pages=40)
+    cp = PageCopier(layout)
+    dev = np.array([17, 3, 29, 8, 11, 36], dtype=np.int64)
+    rows = np.array([5, 0, 3, 1, 4, 2], dtype=np.int64)
+    out = {}
+    for nt in (False, True):
+        host = torch.zeros((6, layout.page_words), dtype=layout.word_dtype)
+        sums = np.empty(6, dtype=np.int64)
+        ck.gather(cp._seg_ptr, cp._seg_stride, cp._seg_nbytes, dev, host.data_ptr(), layout.page_nbytes, rows,
+                  sums, 2, nt)
+        out[nt] = (host, sums)
+    assert torch.equal(out[False][0], out[True][0]) and (out[False][1] == out[True][1]).all()
+    host, sums = out[True]
+    flags = np.zeros(6, dtype=np.uint8)
+    dst = np.array([20, 21, 22, 23, 24, 25], dtype=np.int64)
+    assert ck.scatter(host.data_ptr(), layout.page_nbytes, rows, cp._seg_ptr, cp._seg_stride, cp._seg_nbytes,
+                      dst, sums, 2, flags, True) == -1
+    for layer in bufs:
+        for t in layer:
+            assert torch.equal(t[torch.from_numpy(dev)], t[torch.from_numpy(dst)])
+    host.view(torch.int64)[rows[4], 1] ^= 1 << 40  # page 4 corrupt: caught on the streaming path too
+    assert ck.scatter(host.data_ptr(), layout.page_nbytes, rows, cp._seg_ptr, cp._seg_stride, cp._seg_nbytes,
+                      dst, sums, 2, flags, True) == 4

@@ -147,7 +147,7 @@ def run(num_tokens: int = 4096, layers: int = 8, heads: int = 8, head_dim: int =
     `checksums`: None measures both with and without page checksums; True/False only that mode.
     Returns a dict with one entry per mode (`with_checksums`, `without_checksums`), the top-level
     `store_ratio`/`load_ratio` of the default mode (checksums on when measured), and `target_met`
-    (both ratios >= 0.8)."""
+    (both ratios >= TARGET_RATIO)."""
     if num_tokens < page_size or repeats < 1:
         raise ValueError("num_tokens must be at least one page and repeats >= 1")
     dt = _dtype(dtype)

@@ -264,9 +264,9 @@ def render_host_tier_readme(records: dict, note: str = "") -> str:
         raise RefreshError("host-tier: the run has no with_checksums result")
     t = res["target_ratio"]
     where = "CPU" if res["device"] == "cpu" else res["device"]
-    met = on["store_ratio"] >= t and on["load_ratio"] >= t
+    verdict = _verdict(on["store_ratio"] >= t, on["load_ratio"] >= t)
     return (f"host-tier moves with checksums on (the default) run at {_x(on['load_ratio'])} a plain copy for loads "
-            f"and {_x(on['store_ratio'])} for stores on {where} (target {t}: {'met' if met else 'missed'}; "
+            f"and {_x(on['store_ratio'])} for stores on {where} (target {t}: {verdict}; "
             f"{_cmd(rec)}, {_measured(rec, note, load=False)})")
 
 

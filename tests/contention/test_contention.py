@@ -145,9 +145,12 @@ def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
         assert r["complete"] and r["verified"], r
     probes = [p for r in tcp for p in r.get("probes", [])]
     assert probes, "a saturated link with no evidence must be probed"
-    # the estimate moves with every interval one of our legs holds the link; judge its typical value
+    from flexflow_sglang.monitor.node_agent import ELASTIC_MIN_YIELD
+    # the estimate moves with every interval one of our legs holds the link; judge its typical
+    # value against the agent's own classification threshold (the level depends on the machine:
+    # 0.46-0.9 seen, lower on a busy 2-core runner), not against a fixed number
     late = sorted(r["elastic_est"][direct_link] for r in tcp[len(tcp) // 2:])
-    assert late[len(late) // 2] >= 0.5, [r["elastic_est"] for r in tcp]
+    assert late[len(late) // 2] >= ELASTIC_MIN_YIELD, [r["elastic_est"] for r in tcp]
     # How large a share the direct link gets depends on the estimate (our measured share of the
     # link), which runs lower on a slower or busier machine (0.5-0.9 seen): at ~0.5 the direct leg
     # offers ~25 % of the link and the selector rightly keeps most transfers on the relay. What
@@ -159,7 +162,6 @@ def test_elastic_sharing_takes_a_share_of_tcp_but_not_of_udp(tmp_path):
     def direct_fraction(results):
         return sum(leg["done"] for r in results for leg in r["legs"] if leg["kind"] == "direct") / (n * len(results))
 
-    from flexflow_sglang.monitor.node_agent import ELASTIC_MIN_YIELD
     est = udp[-1]["elastic_est"][direct_link]
     assert 0.0 <= est < ELASTIC_MIN_YIELD, [(r["elastic_est"], r["util_at_decision"], r.get("probes")) for r in udp]
     assert direct_fraction(udp) < 0.1, "transfers must stay off a link whose load does not yield"

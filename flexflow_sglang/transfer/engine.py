@@ -353,14 +353,21 @@ class TransferEngine:
                     return
                 if not self._runnable():  # closing: the queue is cancelled by close(); nothing to run
                     return
-                _, _, job = heapq.heappop(self._heap)
+                job = self._pop_locked()
             self._run_popped(job)
 
+    def _pop_locked(self) -> Job:
+        """Take the queue's first job and count it as running, under self._cv in one step: counted
+        later, a second worker could see no write-back running and start one too, and the worker
+        kept for fetches would be gone (seen as a prefetch waiting behind a write-back backlog)."""
+        _, _, job = heapq.heappop(self._heap)
+        self._running += 1
+        self._running_wb += job.kind in WRITE_BACK
+        return job
+
     def _run_popped(self, job: Job) -> None:
+        """Run a job _pop_locked took, then settle the counts and hand it to poll()."""
         wb = job.kind in WRITE_BACK
-        with self._cv:
-            self._running += 1
-            self._running_wb += wb
         try:
             self._execute(job)
         finally:
@@ -387,7 +394,7 @@ class TransferEngine:
             with self._cv:
                 if self._closed or not self._heap or self._heap[0][0] >= rank:
                     return n
-                _, _, job = heapq.heappop(self._heap)
+                job = self._pop_locked()
             self._run_popped(job)
             n += 1
 

@@ -98,9 +98,16 @@ def test_write_backs_never_take_the_last_worker(eng):
     for i in range(3):
         assert eng.submit(Job("write_through", (lambda i: lambda j: started.append(i) or gate.wait(10))(i)))
     ran = threading.Event()
-    assert eng.submit(Job("prefetch", lambda j: ran.set()))
+    pf = Job("prefetch", lambda j: ran.set())
+    assert eng.submit(pf)
     assert ran.wait(5), "the prefetch waited behind the write-back backlog"
-    assert started == [0] and eng.stats()["running"] == 1  # the other write-backs still queued
+    # the prefetch's worker finishes its bookkeeping after ran.set(), and write-back 0's worker may
+    # pop its job before calling it: wait for both, then look (the others stay queued while gated)
+    assert pf.wait(5)
+    deadline = time.monotonic() + 5
+    while (not started or eng.stats()["running"] != 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started == [0] and eng.stats()["running"] == 1, (started, eng.stats())
     gate.set()
     assert eng.drain(10)
     assert sorted(started) == [0, 1, 2] and len(eng.poll()) == 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -106,8 +106,9 @@ class HostTier:
                 self._lru.move_to_end(k)
 
     # ----------------------------------------------------------------- store side
-    def reserve(self, n: int, protect: "set | frozenset" = frozenset()) -> Tuple[List[int], List[Tuple[bytes, int]]]:
-        """Take up to `n` pages for writing: free ones first, then LRU victims not in `protect`.
+    def reserve(self, n: int, protect: Collection[bytes] = ()) -> Tuple[List[int], List[Tuple[bytes, int]]]:
+        """Take up to `n` pages for writing: free ones first, then LRU victims not in `protect`
+        (any collection of keys; made a set only if a victim has to be chosen).
         Returns (pages, evicted) where evicted = [(key, page)] still holds the victim's bytes: the
         caller spills them before overwriting. Fewer than `n` pages means the tier is full of
         protected entries."""
@@ -121,6 +122,7 @@ class HostTier:
             pages.extend(sorted(recycled))  # ascending: adjacent free pages become one copy run
         evicted = []
         if len(pages) < n:
+            protect = protect if isinstance(protect, (set, frozenset)) else set(protect)
             for key in list(self._lru.keys()):
                 if len(pages) >= n:
                     break

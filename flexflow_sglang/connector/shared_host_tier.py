@@ -41,7 +41,7 @@ import mmap
 import os
 import subprocess
 import sys
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -508,7 +508,7 @@ class SharedHostTier:
         return int(bad[0]) if len(bad) else -1
 
     # ----------------------------------------------------------------- store side
-    def reserve(self, n: int, protect: "set | frozenset" = frozenset()) -> Tuple[List[int], List[Tuple[bytes, int]]]:
+    def reserve(self, n: int, protect: Collection[bytes] = ()) -> Tuple[List[int], List[Tuple[bytes, int]]]:
         """As HostTier.reserve: up to `n` pages this process may write, free ones first, then LRU
         victims (not in `protect`); victims keep their bytes until the caller overwrites them."""
         if n <= 0:

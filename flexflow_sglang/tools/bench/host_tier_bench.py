@@ -188,7 +188,7 @@ def kernel_run(num_tokens: int = 1024, layers: int = 16, heads: int = 8, head_di
     dt = _dtype(dtype)
     out: Dict[str, Any] = {"num_tokens": num_tokens, "layers": layers, "heads": heads, "head_dim": head_dim,
                            "dtype": str(dt).replace("torch.", ""), "kernels_compiled": kernels_available(),
-                           "torch_threads": torch.get_num_threads(), "page_sizes": {}}
+                           "torch_threads": torch.get_num_threads(), "target_ratio": TARGET_RATIO, "page_sizes": {}}
     g = torch.Generator().manual_seed(seed)
     for ps in page_sizes:
         npg = num_tokens // ps

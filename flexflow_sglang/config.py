@@ -108,6 +108,9 @@ class HiCacheStorageTierConfig:
     timeout_ms: float = 2000.0  # one backend call waits at most this long, then it is a miss
     retry_after_s: float = 5.0  # after a failed or timed-out call, every call is a miss this long
     staging_mb: float = 16.0  # flexflow's staging buffer (registered with the backend where it needs that)
+    # objects per backend call at most: Mooncake's TCP transport queues at most 1,024 transfers per
+    # peer and fails the rest (QUEUE_FULL); a batch of thousands of page-1 objects overflowed it
+    max_batch_objects: int = 512
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ _RULES: Dict[str, Dict[str, tuple]] = {
     "hicache_storage": {"enabled": ("bool", None), "backend": ("str", None), "extra_config": ("mapping", None),
                         "write_through": ("bool", None), "node": ("opt_str", None),
                         "timeout_ms": ("positive", None), "retry_after_s": ("nonneg", None),
-                        "staging_mb": ("positive", None)},
+                        "staging_mb": ("positive", None), "max_batch_objects": ("int_range", (1, 1 << 20))},
     "pd": {"enabled": ("bool", None), "policy": ("choice", ("adaptive", "first_rail", "primary")),
            "rails": ("str_list", None), "rail_gbps": ("opt_positive", None), "rail_latency_us": ("nonneg", None)},
     "selector": _SELECTOR_RULES,

@@ -299,11 +299,13 @@ class HiCacheStorageTier(KVTier):
     def __init__(self, backend: str, *, fingerprint: str, page_nbytes: int,
                  extra_config: Optional[Mapping[str, Any]] = None, node: Optional[str] = None,
                  name: Optional[str] = None, timeout_ms: float = 2000.0, retry_after_s: float = 5.0,
-                 staging_mb: float = 16.0, backend_obj: Any = None):
+                 staging_mb: float = 16.0, max_batch_objects: int = 512, backend_obj: Any = None):
         if not isinstance(backend, str) or not backend:
             raise ConfigError(f"hicache_storage.backend must be a backend name, got {backend!r}")
         if not isinstance(page_nbytes, int) or page_nbytes <= 0:
             raise ConfigError(f"hicache_storage: page_nbytes must be a positive int, got {page_nbytes!r}")
+        if not isinstance(max_batch_objects, int) or isinstance(max_batch_objects, bool) or max_batch_objects < 1:
+            raise ConfigError(f"hicache_storage.max_batch_objects must be an int >= 1, got {max_batch_objects!r}")
         self.backend_name = backend
         self.name = name or (f"hicache_{backend}" if backend.replace("_", "").isalnum() else "hicache")
         self.node = node if node is not None else ("nvme0" if backend in LOCAL_DISK_BACKENDS else None)
@@ -331,7 +333,11 @@ class HiCacheStorageTier(KVTier):
         rows = max(1, int(staging_mb * (1 << 20)) // self.obj_nbytes)
         self._staging = torch.zeros((rows, self.obj_nbytes), dtype=torch.uint8)
         self._np = self._staging.numpy()
-        self._cap = rows
+        # one backend call carries at most max_batch_objects objects (and never more than the
+        # staging buffer holds): Mooncake's TCP transport queues 1,024 transfers per peer and fails
+        # the rest; CI once saw a 1,600-object page-1 get overflow it and leave that client failing
+        # every transfer for minutes after
+        self._cap = min(rows, max_batch_objects)
         try:
             self._io.prepare(self._staging)
         except Exception as e:  # noqa: BLE001
@@ -633,7 +639,7 @@ def hicache_factory(ctx, options: Mapping[str, Any]) -> HiCacheStorageTier:
     section `hicache_storage` (config.HiCacheStorageTierConfig, checked by the same rules; `enabled`
     and `write_through` are the connector's): `backend` (an SGLang storage backend name),
     `extra_config` (its HiCacheStorageConfig.extra_config), `node`, `timeout_ms`, `retry_after_s`,
-    `staging_mb`. For the `file` backend the directory (`extra_config.file_storage_path`, default
+    `staging_mb`, `max_batch_objects`. For the `file` backend the directory (`extra_config.file_storage_path`, default
     /tmp/hicache) gets the per-rank subdirectory ctx.rank_dir, both created owner-only."""
     from ..config import section_from_options
     cfg = section_from_options("hicache_storage", options, "hicache_storage options")
@@ -649,4 +655,5 @@ def hicache_factory(ctx, options: Mapping[str, Any]) -> HiCacheStorageTier:
         extra["file_storage_path"] = path
     return HiCacheStorageTier(cfg.backend, fingerprint=ctx.fingerprint_text, page_nbytes=ctx.page_nbytes,
                               extra_config=extra, node=cfg.node or ctx.node, timeout_ms=cfg.timeout_ms,
-                              retry_after_s=cfg.retry_after_s, staging_mb=cfg.staging_mb)
+                              retry_after_s=cfg.retry_after_s, staging_mb=cfg.staging_mb,
+                              max_batch_objects=cfg.max_batch_objects)

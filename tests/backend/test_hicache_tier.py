@@ -79,6 +79,27 @@ def test_torch_rows_and_leading_runs(tmp_path):
     t.close()
 
 
+def test_backend_calls_carry_at_most_max_batch_objects(tmp_path):
+    """A Mooncake client's TCP transport fails transfers past 1,024 queued per peer: flexflow splits a
+    long run into backend calls of max_batch_objects pages, and the run still reads back whole."""
+    t = file_tier(tmp_path, max_batch_objects=2)
+    sizes = {"put": [], "get": []}
+    for op in sizes:
+        orig = getattr(t._io, op)
+        setattr(t._io, op, (lambda orig, op: lambda names, *a: sizes[op].append(len(names)) or orig(names, *a))(orig, op))
+    keys, pages = keys_of(5), pages_of(5, seed=4)
+    assert t.put_many(keys, pages) == 5
+    out = np.zeros_like(pages)
+    assert t.get_many_into(keys, out) == 5 and np.array_equal(out, pages)
+    assert sizes == {"put": [2, 2, 1], "get": [2, 2, 1]}, sizes
+    t.close()
+    ctx = type("Ctx", (), dict(fingerprint_text=FP, page_nbytes=PAGE, rank_dir="rank0", node=None))()
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ConfigError, match="max_batch_objects"):
+            hicache_factory(ctx, {"backend": "file", "max_batch_objects": bad,
+                                  "extra_config": {"file_storage_path": str(tmp_path / "x")}})
+
+
 def test_names_are_keyed_hashes_and_files_are_owner_only(tmp_path):
     ctx = type("Ctx", (), dict(fingerprint_text=FP, page_nbytes=PAGE, rank_dir="rank0", node=None))()
     root = tmp_path / "store"

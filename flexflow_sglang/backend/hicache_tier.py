@@ -335,7 +335,7 @@ class HiCacheStorageTier(KVTier):
         self._np = self._staging.numpy()
         # one backend call carries at most max_batch_objects objects (and never more than the
         # staging buffer holds): Mooncake's TCP transport queues 1,024 transfers per peer and fails
-        # the rest; CI once saw a 1,600-object page-1 get overflow it and leave that client failing
+        # the rest; a CI-like run saw a ~1,600-object page-1 get overflow it and leave that client failing
         # every transfer for minutes after
         self._cap = min(rows, max_batch_objects)
         try:

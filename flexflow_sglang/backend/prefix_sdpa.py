@@ -15,7 +15,16 @@ What it computes: for a request with P cached tokens and S new ones, SDPA of the
 against all P + S keys with the causal mask shifted by P (key j is visible to new token i iff
 j <= P + i). A request with no cached prefix takes the torch_native path unchanged (is_causal on
 the same query), so a miss is bit-identical to torch_native. Cross-attention, encoder-decoder
-batches and sliding windows also take torch_native's path. Decode is torch_native's.
+batches and sliding windows also take torch_native's path.
+
+Decode reads the paged KV in place (csrc/flexflow_sglang/_paged_attention.pyx), as GPU backends'
+paged decode does: torch_native gathers every request's keys and values into new tensors on every
+layer of every step (`k_cache[tokens]`) and runs SDPA over the copies, so on the kv128k preset 46 of
+a 2-request x 1,300-token step's 61 ms of attention were that gather (ad hoc, 2 threads). The kernel
+reads each key and value row once, in float32 (bfloat16 widened on load), and its bytes do not
+depend on the thread count. It differs from torch_native's SDPA in the last bits (both are float32
+softmax attention; tests/backend/test_prefix_sdpa.py bounds the difference); float16 KV, sliding
+windows, cross-attention and an uncompiled build take torch_native's decode.
 
 Determinism, measured (`python benchmarks/prefix_sdpa.py --shapes 300`, random prefixes 1-512 and
 suffixes 1-64): the new rows differ from torch_native's full recompute in the last bits in 5 of 300
@@ -71,7 +80,22 @@ def prefix_sdpa_backend_class():
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
     class PrefixSDPAAttnBackend(TorchNativeAttnBackend):
-        """TorchNativeAttnBackend whose extend computes only the new tokens' queries."""
+        """TorchNativeAttnBackend whose extend computes only the new tokens' queries and whose
+        decode reads the paged KV in place."""
+
+        def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token,
+                                     req_pool_indices, seq_lens, encoder_lens: Optional[torch.Tensor] = None,
+                                     scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
+                                     sliding_window_size: Optional[int] = None):
+            windowed = sliding_window_size is not None and sliding_window_size > -1
+            if (encoder_lens is not None or is_cross_attn or windowed
+                    or not paged_decode_applies(query, k_cache, v_cache)):
+                return super()._run_sdpa_forward_decode(
+                    query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    encoder_lens, scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                    is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+            return paged_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                                seq_lens, scaling)
 
         def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token,
                                      req_pool_indices, seq_lens, extend_prefix_lens,
@@ -119,3 +143,50 @@ def prefix_sdpa_backend_class():
 
     _cls = PrefixSDPAAttnBackend
     return _cls
+
+
+def paged_decode_applies(query, k_cache, v_cache) -> bool:
+    """The compiled paged decode handles these shapes and dtypes (else torch_native's decode)."""
+    import torch
+    if _pa is None or query.device.type != "cpu" or k_cache.device.type != "cpu":
+        return False
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if k_cache.dim() != 3 or v_cache.dim() != 3 or query.dim() != 3:
+        return False
+    d = query.shape[-1]
+    return (k_cache.shape[-1] == d and v_cache.shape[-1] == d and d % 8 == 0
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+            and k_cache.shape[1] == v_cache.shape[1] and query.shape[1] % k_cache.shape[1] == 0)
+
+
+def paged_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling):
+    """One query token per request ([batch, q heads, dim]) against its slots' keys and values, read
+    in place from one layer's buffers; written into `output` ([batch, q heads, dim])."""
+    import torch
+    batch, q_heads, dim = query.shape
+    lens = seq_lens.tolist()
+    rows = req_pool_indices.tolist()
+    if len(lens) != batch:
+        raise ValueError(f"paged decode: {batch} query tokens for {len(lens)} requests")
+    slots = torch.cat([req_to_token[r, :n] for r, n in zip(rows, lens)]).to(torch.int32).contiguous()
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= min(k_cache.shape[0], v_cache.shape[0])):
+        raise IndexError(f"paged decode: a KV slot lies outside the pool of {k_cache.shape[0]} tokens")
+    starts = torch.zeros(batch + 1, dtype=torch.int64)
+    starts[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+    q = query.to(torch.float32).contiguous()
+    direct = output.dtype == torch.float32 and output.is_contiguous()
+    out = output if direct else torch.empty((batch, q_heads, dim), dtype=torch.float32)
+    _pa.decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.numpy(),
+               starts.numpy(), batch, q_heads, k_cache.shape[1], dim, k_cache.stride(0), k_cache.stride(1),
+               v_cache.stride(0), v_cache.stride(1), float(dim ** -0.5 if scaling is None else scaling),
+               k_cache.dtype == torch.bfloat16, torch.get_num_threads())
+    if not direct:
+        output.copy_(out)
+    return output
+
+
+try:
+    from .. import _paged_attention as _pa
+except ImportError:  # an uncompiled build: torch_native's decode
+    _pa = None

@@ -88,3 +88,80 @@ def test_registered_as_a_server_choice():
     from sglang.srt.server_args import prepare_server_args
     args = prepare_server_args(["--model-path", "/nonexistent", "--attention-backend", BACKEND_NAME])
     assert args.attention_backend == BACKEND_NAME
+
+
+# ----------------------------------------------------------------- decode: paged KV read in place
+def _decode(backend, b, threads=None):
+    """One decode token per request: the last query row of each request's batch entry."""
+    q = torch.randn(len(b["seq_lens"]), b["query"].shape[1], b["query"].shape[2],
+                    generator=torch.Generator().manual_seed(7)).to(b["query"].dtype)
+    out = torch.empty_like(q)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        backend._run_sdpa_forward_decode(q, out, b["k_cache"], b["v_cache"], b["req_to_token"],
+                                         b["req_pool_indices"], b["seq_lens"], None, scaling=0.125,
+                                         enable_gqa=q.shape[1] != b["k_cache"].shape[1])
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _compiled_decode():
+    import os
+    from flexflow_sglang.backend import prefix_sdpa
+    if prefix_sdpa._pa is None:
+        if os.environ.get("FLEXFLOW_REQUIRE_COMPILED", "0") not in ("", "0"):
+            pytest.fail("FLEXFLOW_REQUIRE_COMPILED=1 but flexflow_sglang._paged_attention is not built")
+        pytest.skip("flexflow_sglang._paged_attention not built (pip install -e . with Cython)")
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,dim,tol", [(torch.float32, 8, 8, 128, 1e-5),
+                                                        (torch.float32, 4, 2, 32, 1e-5),
+                                                        (torch.bfloat16, 6, 2, 64, 1e-2)])
+def test_paged_decode_matches_torch_native(dtype, heads, kv_heads, dim, tol):
+    _compiled_decode()
+    # requests of 1, 9 and 700 tokens, slots scattered over the pool
+    b = _batch(dtype, prefix_lens=[0, 8, 699], new_lens=[1, 1, 1], heads=heads, kv_heads=kv_heads, dim=dim)
+    ours = _decode(_bare(prefix_sdpa_backend_class()), b)
+    native = _decode(_bare(torch_native_backend.TorchNativeAttnBackend), b)
+    assert ours.dtype == native.dtype and ours.shape == native.shape
+    assert torch.allclose(ours.float(), native.float(), atol=tol, rtol=tol), (ours.float() - native.float()).abs().max()
+    # a one-token request attends only to itself: its output is its value row, exactly
+    slot = int(b["req_to_token"][1, 0])
+    expect = b["v_cache"][slot].float().repeat_interleave(heads // kv_heads, dim=0)
+    assert torch.allclose(ours[0].float(), expect, atol=tol, rtol=tol)
+
+
+def test_paged_decode_bytes_do_not_depend_on_the_thread_count():
+    _compiled_decode()
+    b = _batch(torch.float32, prefix_lens=[300, 40, 5], new_lens=[1, 1, 1], heads=8, kv_heads=4, dim=64)
+    backend = _bare(prefix_sdpa_backend_class())
+    assert torch.equal(_decode(backend, b, threads=1), _decode(backend, b, threads=2))
+
+
+def test_paged_decode_reads_only_each_requests_own_slots():
+    _compiled_decode()
+    b = _batch(torch.float32, prefix_lens=[30, 30], new_lens=[1, 1])
+    backend = _bare(prefix_sdpa_backend_class())
+    before = _decode(backend, b)
+    b["k_cache"][b["req_to_token"][2, 10]] += 5.0     # a key of request 1 only
+    after = _decode(backend, b)
+    assert torch.equal(before[0], after[0])
+    assert not torch.allclose(before[1], after[1])
+
+
+def test_paged_decode_refuses_a_slot_outside_the_pool():
+    _compiled_decode()
+    b = _batch(torch.float32, prefix_lens=[10], new_lens=[1])
+    b["req_to_token"][1, 3] = b["k_cache"].shape[0] + 5
+    with pytest.raises(IndexError, match="outside the pool"):
+        _decode(_bare(prefix_sdpa_backend_class()), b)
+
+
+def test_float16_decode_takes_torch_natives_path():
+    b = _batch(torch.float16, prefix_lens=[20, 3], new_lens=[1, 1])
+    ours = _decode(_bare(prefix_sdpa_backend_class()), b)
+    native = _decode(_bare(torch_native_backend.TorchNativeAttnBackend), b)
+    assert torch.equal(ours, native)

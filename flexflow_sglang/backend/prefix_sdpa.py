@@ -169,6 +169,8 @@ def paged_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices
     rows = req_pool_indices.tolist()
     if len(lens) != batch:
         raise ValueError(f"paged decode: {batch} query tokens for {len(lens)} requests")
+    if batch == 0:  # an idle batch (DP attention pads ranks with them): nothing to attend
+        return output
     slots = torch.cat([req_to_token[r, :n] for r, n in zip(rows, lens)]).to(torch.int32).contiguous()
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= min(k_cache.shape[0], v_cache.shape[0])):
         raise IndexError(f"paged decode: a KV slot lies outside the pool of {k_cache.shape[0]} tokens")

@@ -165,3 +165,12 @@ def test_float16_decode_takes_torch_natives_path():
     ours = _decode(_bare(prefix_sdpa_backend_class()), b)
     native = _decode(_bare(torch_native_backend.TorchNativeAttnBackend), b)
     assert torch.equal(ours, native)
+
+
+def test_paged_decode_of_an_empty_batch_is_a_no_op():
+    _compiled_decode()
+    from flexflow_sglang.backend.prefix_sdpa import paged_decode
+    k = torch.randn(16, 2, 32)
+    out = torch.empty(0, 4, 32)
+    assert paged_decode(torch.empty(0, 4, 32), out, k, k.clone(), torch.zeros(2, 8, dtype=torch.int32),
+                        torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), None) is out

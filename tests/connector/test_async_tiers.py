@@ -456,7 +456,7 @@ def test_a_load_back_queued_behind_a_long_write_back_runs_between_its_pieces(con
             super().__init__(name="pieces", node="nvme0")
             self.write_through = True
             self.cv = threading.Condition()
-            self.allowed = self.pieces = 0
+            self.allowed = self.pieces = self.waiting = 0
 
         def allow(self, n):
             with self.cv:
@@ -465,8 +465,13 @@ def test_a_load_back_queued_behind_a_long_write_back_runs_between_its_pieces(con
 
         def put_many(self, keys, pages_u8):
             with self.cv:
-                if not self.cv.wait_for(lambda: self.pieces < self.allowed, 10):
-                    return 0
+                self.waiting += 1
+                self.cv.notify_all()
+                try:
+                    if not self.cv.wait_for(lambda: self.pieces < self.allowed, 10):
+                        return 0
+                finally:
+                    self.waiting -= 1
                 self.pieces += 1
             return super().put_many(keys, pages_u8)
 
@@ -481,6 +486,9 @@ def test_a_load_back_queued_behind_a_long_write_back_runs_between_its_pieces(con
     assert c.host.discard(b) == 6 and c.lookup(b, deep=False) == 0
     a = c.page_keys(list(range(8)))
     assert c.store(a, rand_slots(8, 1, 41)).ok  # write-through of 8 pages: 4 pieces, the first waits
+    with tier.cv:  # the write-back holds the only worker before the load comes (else the fetch, which
+        # sorts first, would simply run first: not the case under test)
+        assert tier.cv.wait_for(lambda: tier.waiting > 0, 5)
     threading.Timer(0.3, tier.allow, args=(4,)).start()  # the write's first piece, while the load waits
     dst = rand_slots(6, 1, 42)
     t0 = time.perf_counter()

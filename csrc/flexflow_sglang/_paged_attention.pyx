@@ -5,7 +5,8 @@ backend/prefix_sdpa.py).
 Why: SGLang's CPU decode (torch_native) gathers every request's keys and values into new tensors
 (`k_cache[tokens]`) on every layer of every step, then runs SDPA over the copies: the KV is read
 twice and written once. On the kv128k preset (128 KB of KV per token) a decode step of 2 requests
-x 1,300 tokens spent 46 of its 61 ms of attention in that gather (ad hoc, 2 threads). GPU backends
+x 1,300 tokens took 144.7 ms of attention that way, 27.8 ms here (2 threads;
+`python benchmarks/paged_decode.py` at 1737bed, docs/results.md). GPU backends
 (FlashInfer's paged decode) read the pages in place; so does this kernel: one read of each key row
 and each value row, nothing written but the output.
 
@@ -19,7 +20,7 @@ do not depend on the thread count: a host hit, a device hit and any TP layout gi
 
 from libc.stdint cimport int32_t, int64_t, uint64_t
 from libc.stdlib cimport malloc, free
-from cython.parallel cimport prange
+from cython.parallel cimport prange, threadid
 
 cdef extern from *:
     """
@@ -129,8 +130,9 @@ def decode(uint64_t q_ptr, uint64_t k_ptr, uint64_t v_ptr, uint64_t out_ptr, int
         threads = 1
     if threads > items:
         threads = <int>items
-    # one scratch row of scores per thread slot is simplest as one per item (a few KB each)
-    cdef float* scratch = <float*>malloc(items * G * longest * sizeof(float))
+    # scores scratch per thread, not per item: a batch of 64 long requests must not allocate
+    # batch x heads x context floats at once
+    cdef float* scratch = <float*>malloc(threads * G * longest * sizeof(float))
     if scratch == NULL:
         raise MemoryError("paged decode: scores scratch")
     cdef const float* q = <const float*>q_ptr
@@ -146,7 +148,7 @@ def decode(uint64_t q_ptr, uint64_t k_ptr, uint64_t v_ptr, uint64_t out_ptr, int
                               <const char*>v_ptr + h * v_head_stride * esz, v_slot_stride,
                               &slots[starts[b]], n, G, head_dim, scale, bf16,
                               out + (b * q_heads + h * G) * head_dim, head_dim,
-                              scratch + it * G * longest)
+                              scratch + threadid() * G * longest)
     finally:
         free(scratch)
     return None

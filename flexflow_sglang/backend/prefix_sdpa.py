@@ -19,8 +19,9 @@ batches and sliding windows also take torch_native's path.
 
 Decode reads the paged KV in place (csrc/flexflow_sglang/_paged_attention.pyx), as GPU backends'
 paged decode does: torch_native gathers every request's keys and values into new tensors on every
-layer of every step (`k_cache[tokens]`) and runs SDPA over the copies, so on the kv128k preset 46 of
-a 2-request x 1,300-token step's 61 ms of attention were that gather (ad hoc, 2 threads). The kernel
+layer of every step (`k_cache[tokens]`) and runs SDPA over the copies: on the kv128k preset a
+2-request x 1,300-token step's attention took 144.7 ms that way and 27.8 ms in place (2 threads;
+`python benchmarks/paged_decode.py` at 1737bed, docs/results.md). The kernel
 reads each key and value row once, in float32 (bfloat16 widened on load), and its bytes do not
 depend on the thread count. It differs from torch_native's SDPA in the last bits (both are float32
 softmax attention; tests/backend/test_prefix_sdpa.py bounds the difference); float16 KV, sliding

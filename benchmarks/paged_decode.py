@@ -2,8 +2,8 @@
 layer, a batch of requests, one query token each) as SGLang's torch_native computes it (gather each
 request's keys and values into new tensors, then SDPA) and as `flexflow_sdpa` does (the compiled
 kernel reads the paged KV in place), side by side in one process, alternating per repeat; the
-gather alone and SDPA over already-contiguous copies show where torch_native's time goes. Outputs of
-the two are compared (max abs difference).
+gather alone (timed separately) shows how much of torch_native's time is the copy. Outputs of the
+two are compared (max abs difference).
 
     python benchmarks/paged_decode.py [--layers 16] [--heads 8] [--kv-heads 8] [--head-dim 128]
         [--batch 2] [--context 1300] [--dtype float32] [--threads 2,1] [--repeats 9] [--out out/paged_decode]
@@ -17,13 +17,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 from tqdm import tqdm
 
 from flexflow_sglang.backend import prefix_sdpa
+from flexflow_sglang.tools.bench.stall import _commit
 
 
 def main():
@@ -115,14 +115,6 @@ def main():
     except Exception as e:  # noqa: BLE001 - the JSON is the record
         print(f"paged_decode: plot failed: {e}")
     print(f"wrote {os.path.join(a.out, 'paged_decode.json')}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

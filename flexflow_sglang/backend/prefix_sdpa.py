@@ -17,15 +17,17 @@ j <= P + i). A request with no cached prefix takes the torch_native path unchang
 the same query), so a miss is bit-identical to torch_native. Cross-attention, encoder-decoder
 batches and sliding windows also take torch_native's path.
 
-Decode reads the paged KV in place (csrc/flexflow_sglang/_paged_attention.pyx), as GPU backends'
-paged decode does: torch_native gathers every request's keys and values into new tensors on every
+Decode, and an extend whose suffix after a cached prefix is short (at most EXTEND_KERNEL_MAX_ROWS
+query rows), read the paged KV in place (csrc/flexflow_sglang/_paged_attention.pyx), as GPU
+backends' paged kernels do: torch_native gathers every request's keys and values into new tensors on every
 layer of every step (`k_cache[tokens]`) and runs SDPA over the copies: on the kv128k preset a
 2-request x 1,300-token step's attention took 144.7 ms that way and 27.8 ms in place (2 threads;
 `python benchmarks/paged_decode.py` at 1737bed, docs/results.md). The kernel
 reads each key and value row once, in float32 (bfloat16 widened on load), and its bytes do not
 depend on the thread count. It differs from torch_native's SDPA in the last bits (both are float32
-softmax attention; tests/backend/test_prefix_sdpa.py bounds the difference); float16 KV, sliding
-windows, cross-attention and an uncompiled build take torch_native's decode.
+softmax attention; tests/backend/test_prefix_sdpa.py bounds the difference); float16 KV, head dims
+not a multiple of 32, sliding windows, cross-attention and an uncompiled build take torch_native's
+decode and the gather-then-SDPA extend.
 
 Determinism, measured (`python benchmarks/prefix_sdpa.py --shapes 300`, random prefixes 1-512 and
 suffixes 1-64): the new rows differ from torch_native's full recompute in the last bits in 5 of 300
@@ -45,6 +47,13 @@ from __future__ import annotations
 from typing import Optional
 
 BACKEND_NAME = "flexflow_sdpa"
+
+# An extend of at most this many query rows (new tokens x query heads per kv head) after a cached
+# prefix runs in the compiled kernel; a longer one through SDPA, whose GEMMs win there
+# (float32, 8 x 128 heads, 2 threads, `python benchmarks/paged_extend.py`: docs/results.md). The
+# choice depends only on the request's own shape, so a host hit and a device hit of the same
+# prefix take the same path.
+EXTEND_KERNEL_MAX_ROWS = 128
 
 _registered = False
 
@@ -110,15 +119,30 @@ def prefix_sdpa_backend_class():
                     extend_prefix_lens, extend_seq_lens, encoder_lens, scaling=scaling,
                     enable_gqa=enable_gqa, causal=causal, is_cross_attn=is_cross_attn,
                     sliding_window_size=sliding_window_size)
-            # [tokens, heads, dim] -> [heads, tokens, dim], as torch_native does
-            query = query.movedim(0, query.dim() - 2)
             # one host sync for the lengths instead of three per request
             prefix_lens = extend_prefix_lens.tolist()
             new_lens = extend_seq_lens.tolist()
             kv_lens = seq_lens.tolist()
+            # a hit with a short suffix: the compiled kernel reads the paged KV in place
+            in_place = []
+            if paged_decode_applies(query, k_cache, v_cache):
+                group = query.shape[1] // k_cache.shape[1]
+                start_q = 0
+                for i, (prefix, new) in enumerate(zip(prefix_lens, new_lens)):
+                    if prefix > 0 and 0 < new * group <= EXTEND_KERNEL_MAX_ROWS:
+                        in_place.append((i, start_q, new))
+                    start_q += new
+                paged_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                             seq_lens, in_place, scaling)
+            done = {i for i, _, _ in in_place}
+            # [tokens, heads, dim] -> [heads, tokens, dim], as torch_native does
+            query = query.movedim(0, query.dim() - 2)
             start_q = 0
             for i, (prefix, new, kv_len) in enumerate(zip(prefix_lens, new_lens, kv_lens)):
                 end_q = start_q + new
+                if i in done:
+                    start_q = end_q
+                    continue
                 q = query[:, start_q:end_q, :]
                 tokens = req_to_token[req_pool_indices[i], :kv_len]
                 k = k_cache[tokens].movedim(0, query.dim() - 2)
@@ -156,7 +180,7 @@ def paged_decode_applies(query, k_cache, v_cache) -> bool:
     if k_cache.dim() != 3 or v_cache.dim() != 3 or query.dim() != 3:
         return False
     d = query.shape[-1]
-    return (k_cache.shape[-1] == d and v_cache.shape[-1] == d and d % 8 == 0
+    return (k_cache.shape[-1] == d and v_cache.shape[-1] == d and d % 32 == 0
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
             and k_cache.shape[1] == v_cache.shape[1] and query.shape[1] % k_cache.shape[1] == 0)
 
@@ -186,6 +210,39 @@ def paged_decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices
                k_cache.dtype == torch.bfloat16, torch.get_num_threads())
     if not direct:
         output.copy_(out)
+    return output
+
+
+def paged_extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                 requests, scaling):
+    """Extend attention for `requests` (a list of (batch index, first query row, new tokens)) whose
+    new tokens follow a cached prefix: their rows of `query` ([tokens, q heads, dim]) against their
+    slots' keys and values read in place, written into the same rows of `output`. Other rows of
+    `output` are left as they are."""
+    import torch
+    if not requests:
+        return output
+    lens = seq_lens.tolist()
+    rows = req_pool_indices.tolist()
+    slots = torch.cat([req_to_token[rows[i], :lens[i]] for i, _, _ in requests]).to(torch.int32).contiguous()
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= min(k_cache.shape[0], v_cache.shape[0])):
+        raise IndexError(f"paged extend: a KV slot lies outside the pool of {k_cache.shape[0]} tokens")
+    starts = torch.zeros(len(requests) + 1, dtype=torch.int64)
+    starts[1:] = torch.tensor([lens[i] for i, _, _ in requests], dtype=torch.int64).cumsum(0)
+    q_offsets = torch.tensor([q0 for _, q0, _ in requests], dtype=torch.int64)
+    new_lens = torch.tensor([new for _, _, new in requests], dtype=torch.int64)
+    _, q_heads, dim = query.shape
+    q = query.to(torch.float32).contiguous()
+    direct = output.dtype == torch.float32 and output.is_contiguous()
+    out = output if direct else torch.empty(q.shape, dtype=torch.float32)
+    _pa.extend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), slots.numpy(),
+               starts.numpy(), q_offsets.numpy(), new_lens.numpy(), len(requests), q_heads, k_cache.shape[1],
+               dim, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+               float(dim ** -0.5 if scaling is None else scaling), k_cache.dtype == torch.bfloat16,
+               torch.get_num_threads())
+    if not direct:
+        for _, q0, new in requests:
+            output[q0:q0 + new].copy_(out[q0:q0 + new])
     return output
 
 

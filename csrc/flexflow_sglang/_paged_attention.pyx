@@ -126,14 +126,18 @@ cdef extern from *:
 
     #define FF_TILE 8  /* keys per value tile: a slot's rows are often 4 KB apart, so a head's slices of
                           more keys than L1's 8 ways map onto the same sets and evict each other */
+    #define FF_PACK_TILE 64     /* keys per packed value tile (64 x D floats of scratch) */
+    #define FF_PACK_MIN_ROWS 4  /* fewer rows (decode) read the values in place: packing would read
+                                   and write each value once more for too few rows to share it */
 
     /* One (request, kv head, block of T query tokens): G query heads per token share the kv head, so
        the block is R = T*G query rows that read each key and value row once. Row (j, g) is
        q + j*qts + g*D (float32) and sees the first lim0 + j of the request's slots (decode: T = 1,
        lim0 = n; extend: token j of the block sits at position lim0 - 1 + j, so the causal mask is this
        bound). K / V element strides per slot (ks, vs) from the kv head's first element; out rows like
-       q's (ots). scratch: R*(lim0 + T - 1) + 2*R*D floats. D % 32 == 0. The order of every sum is fixed
-       here and depends only on the row's own inputs, not on the block or the thread. x86-64-v3 brings
+       q's (ots). scratch: R*(lim0 + T - 1) + 2*R*D + FF_PACK_TILE*D floats. D % 32 == 0. The order
+       of every sum is fixed here and depends only on the row's own inputs, not on the block or the
+       thread (packed or in place, a value is the same float32 and is added in t order). x86-64-v3 brings
        FMA (the extension builds with -ffp-contract=fast): the clone is chosen once per machine, so a
        host hit and a device hit run the same instructions. */
     #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -171,6 +175,60 @@ cdef extern from *:
             ff_softmax(scores + r * n, lim);
             memset(oc + r * D, 0, D * sizeof(float));
         }
+        if (R >= FF_PACK_MIN_ROWS) {
+            /* enough rows to pay for packing: a tile's value rows copied contiguous (bf16 widened once),
+               so the tile can be longer than L1's ways allow for rows a slot stride apart */
+            float* vt = oc + R * D;
+            for (int64_t t0 = 0; t0 < n; t0 += FF_PACK_TILE) {
+                int64_t t1 = t0 + FF_PACK_TILE < n ? t0 + FF_PACK_TILE : n;
+                for (int64_t t = t0; t < t1; t++) {
+                    const char* row = (const char*)v + (int64_t)slots[t] * vs * esz;
+                    for (int64_t i = 0; i < D; i += 8) {
+                        ff_v8f x = ff_load8(row, i, bf16);
+                        memcpy(vt + (t - t0) * D + i, &x, 32);
+                    }
+                }
+                for (int64_t r0 = 0; r0 < R; r0 += 2) {
+                    int64_t r1 = r0 + 1 < R ? r0 + 1 : r0;
+                    int64_t ea = lim0 + r0 / G, eb = lim0 + r1 / G;
+                    ea = ea < t1 ? ea : t1; eb = eb < t1 ? eb : t1;
+                    if (eb <= t0) continue;
+                    float* o0 = oc + r0 * D;
+                    float* o1 = oc + r1 * D;
+                    const float* w0 = scores + r0 * n;
+                    const float* w1 = scores + r1 * n;
+                    for (int64_t d = 0; d < D; d += 32) {
+                        ff_v8f a0, a1, a2, a3, b0, b1, b2, b3;
+                        memcpy(&a0, o0 + d, 32); memcpy(&a1, o0 + d + 8, 32);
+                        memcpy(&a2, o0 + d + 16, 32); memcpy(&a3, o0 + d + 24, 32);
+                        memcpy(&b0, o1 + d, 32); memcpy(&b1, o1 + d + 8, 32);
+                        memcpy(&b2, o1 + d + 16, 32); memcpy(&b3, o1 + d + 24, 32);
+                        int64_t t = t0;
+                        for (; t < ea; t++) {
+                            const float* row = vt + (t - t0) * D + d;
+                            ff_v8f x0, x1, x2, x3;
+                            memcpy(&x0, row, 32); memcpy(&x1, row + 8, 32);
+                            memcpy(&x2, row + 16, 32); memcpy(&x3, row + 24, 32);
+                            float wa = w0[t], wb = w1[t];
+                            a0 += wa * x0; a1 += wa * x1; a2 += wa * x2; a3 += wa * x3;
+                            b0 += wb * x0; b1 += wb * x1; b2 += wb * x2; b3 += wb * x3;
+                        }
+                        for (; t < eb; t++) {
+                            const float* row = vt + (t - t0) * D + d;
+                            ff_v8f x0, x1, x2, x3;
+                            memcpy(&x0, row, 32); memcpy(&x1, row + 8, 32);
+                            memcpy(&x2, row + 16, 32); memcpy(&x3, row + 24, 32);
+                            float wb = w1[t];
+                            b0 += wb * x0; b1 += wb * x1; b2 += wb * x2; b3 += wb * x3;
+                        }
+                        memcpy(o1 + d, &b0, 32); memcpy(o1 + d + 8, &b1, 32);
+                        memcpy(o1 + d + 16, &b2, 32); memcpy(o1 + d + 24, &b3, 32);
+                        memcpy(o0 + d, &a0, 32); memcpy(o0 + d + 8, &a1, 32);
+                        memcpy(o0 + d + 16, &a2, 32); memcpy(o0 + d + 24, &a3, 32);
+                    }
+                }
+            }
+        } else {
         /* out += w_t V_t in t order: keys in tiles whose value rows stay in cache across the rows;
            two rows share each value load, 32 lanes per pass (8 accumulators in registers) */
         for (int64_t t0 = 0; t0 < n; t0 += FF_TILE) {
@@ -213,9 +271,11 @@ cdef extern from *:
                 }
             }
         }
+        }
         for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ots + (r % G) * D, oc + r * D, D * sizeof(float));
     }
     """
+    enum: FF_PACK_TILE
     void ff_attend_block(const float* q, int64_t qts, const void* k, int64_t ks, const void* v, int64_t vs,
                          const int32_t* slots, int64_t lim0, int64_t T, int64_t G, int64_t D, float scale,
                          int bf16, float* out, int64_t ots, float* scores) noexcept nogil
@@ -251,7 +311,7 @@ def decode(uint64_t q_ptr, uint64_t k_ptr, uint64_t v_ptr, uint64_t out_ptr, int
         threads = <int>items
     # scores scratch per thread, not per item: a batch of 64 long requests must not allocate
     # batch x heads x context floats at once
-    cdef int64_t per_thread = G * longest + 2 * G * head_dim
+    cdef int64_t per_thread = G * longest + 2 * G * head_dim + FF_PACK_TILE * head_dim
     cdef float* scratch = <float*>malloc(threads * per_thread * sizeof(float))
     if scratch == NULL:
         raise MemoryError("paged decode: scores scratch")
@@ -316,7 +376,7 @@ def extend(uint64_t q_ptr, uint64_t k_ptr, uint64_t v_ptr, uint64_t out_ptr, int
     # (request, first token) of every block; item = block * kv_heads + kv head
     cdef int64_t* block_req = <int64_t*>malloc(blocks * sizeof(int64_t))
     cdef int64_t* block_tok = <int64_t*>malloc(blocks * sizeof(int64_t))
-    cdef int64_t rows = tokens_per_block * G, per_thread = rows * longest + 2 * rows * head_dim
+    cdef int64_t rows = tokens_per_block * G, per_thread = rows * longest + 2 * rows * head_dim + FF_PACK_TILE * head_dim
     cdef float* scratch = <float*>malloc(threads * per_thread * sizeof(float))
     if block_req == NULL or block_tok == NULL or scratch == NULL:
         free(block_req); free(block_tok); free(scratch)

@@ -130,6 +130,51 @@ cdef extern from *:
     #define FF_PACK_MIN_ROWS 4  /* fewer rows (decode) read the values in place: packing would read
                                    and write each value once more for too few rows to share it */
 
+    /* oc[r] += sum over keys t0 <= t < t1 that row r sees (t < lim0 + r / G) of w_rt V_t, in t order:
+       rp[t - t0] is key t's value row (bf16 or float32). Two rows share each value load, 32 lanes per
+       pass (8 accumulators in registers). */
+    static inline void ff_weighted_rows(const char* const* rp, int bf16, int64_t t0, int64_t t1, int64_t R,
+                                        int64_t G, int64_t lim0, int64_t D, const float* scores, int64_t n,
+                                        float* oc) {
+        for (int64_t r0 = 0; r0 < R; r0 += 2) {
+            int64_t r1 = r0 + 1 < R ? r0 + 1 : r0;
+            int64_t ea = lim0 + r0 / G, eb = lim0 + r1 / G;
+            ea = ea < t1 ? ea : t1; eb = eb < t1 ? eb : t1;
+            if (eb <= t0) continue;
+            float* o0 = oc + r0 * D;
+            float* o1 = oc + r1 * D;
+            const float* w0 = scores + r0 * n;
+            const float* w1 = scores + r1 * n;
+            for (int64_t d = 0; d < D; d += 32) {
+                ff_v8f a0, a1, a2, a3, b0, b1, b2, b3;
+                memcpy(&a0, o0 + d, 32); memcpy(&a1, o0 + d + 8, 32);
+                memcpy(&a2, o0 + d + 16, 32); memcpy(&a3, o0 + d + 24, 32);
+                memcpy(&b0, o1 + d, 32); memcpy(&b1, o1 + d + 8, 32);
+                memcpy(&b2, o1 + d + 16, 32); memcpy(&b3, o1 + d + 24, 32);
+                int64_t t = t0;
+                for (; t < ea; t++) {
+                    const char* row = rp[t - t0];
+                    ff_v8f x0 = ff_load8(row, d, bf16), x1 = ff_load8(row, d + 8, bf16);
+                    ff_v8f x2 = ff_load8(row, d + 16, bf16), x3 = ff_load8(row, d + 24, bf16);
+                    float wa = w0[t], wb = w1[t];
+                    a0 += wa * x0; a1 += wa * x1; a2 += wa * x2; a3 += wa * x3;
+                    b0 += wb * x0; b1 += wb * x1; b2 += wb * x2; b3 += wb * x3;
+                }
+                for (; t < eb; t++) {  /* keys only the later row's token sees */
+                    const char* row = rp[t - t0];
+                    float wb = w1[t];
+                    b0 += wb * ff_load8(row, d, bf16); b1 += wb * ff_load8(row, d + 8, bf16);
+                    b2 += wb * ff_load8(row, d + 16, bf16); b3 += wb * ff_load8(row, d + 24, bf16);
+                }
+                /* r1 == r0 (an odd last row): b holds the same row's sums, and a, stored last, wins */
+                memcpy(o1 + d, &b0, 32); memcpy(o1 + d + 8, &b1, 32);
+                memcpy(o1 + d + 16, &b2, 32); memcpy(o1 + d + 24, &b3, 32);
+                memcpy(o0 + d, &a0, 32); memcpy(o0 + d + 8, &a1, 32);
+                memcpy(o0 + d + 16, &a2, 32); memcpy(o0 + d + 24, &a3, 32);
+            }
+        }
+    }
+
     /* One (request, kv head, block of T query tokens): G query heads per token share the kv head, so
        the block is R = T*G query rows that read each key and value row once. Row (j, g) is
        q + j*qts + g*D (float32) and sees the first lim0 + j of the request's slots (decode: T = 1,
@@ -175,6 +220,9 @@ cdef extern from *:
             ff_softmax(scores + r * n, lim);
             memset(oc + r * D, 0, D * sizeof(float));
         }
+        /* out += w_t V_t in t order, a tile of keys at a time, so that the tile's value rows stay in
+           cache across the block's rows */
+        const char* vp[FF_PACK_TILE];
         if (R >= FF_PACK_MIN_ROWS) {
             /* enough rows to pay for packing: a tile's value rows copied contiguous (bf16 widened once),
                so the tile can be longer than L1's ways allow for rows a slot stride apart */
@@ -187,90 +235,16 @@ cdef extern from *:
                         ff_v8f x = ff_load8(row, i, bf16);
                         memcpy(vt + (t - t0) * D + i, &x, 32);
                     }
+                    vp[t - t0] = (const char*)(vt + (t - t0) * D);
                 }
-                for (int64_t r0 = 0; r0 < R; r0 += 2) {
-                    int64_t r1 = r0 + 1 < R ? r0 + 1 : r0;
-                    int64_t ea = lim0 + r0 / G, eb = lim0 + r1 / G;
-                    ea = ea < t1 ? ea : t1; eb = eb < t1 ? eb : t1;
-                    if (eb <= t0) continue;
-                    float* o0 = oc + r0 * D;
-                    float* o1 = oc + r1 * D;
-                    const float* w0 = scores + r0 * n;
-                    const float* w1 = scores + r1 * n;
-                    for (int64_t d = 0; d < D; d += 32) {
-                        ff_v8f a0, a1, a2, a3, b0, b1, b2, b3;
-                        memcpy(&a0, o0 + d, 32); memcpy(&a1, o0 + d + 8, 32);
-                        memcpy(&a2, o0 + d + 16, 32); memcpy(&a3, o0 + d + 24, 32);
-                        memcpy(&b0, o1 + d, 32); memcpy(&b1, o1 + d + 8, 32);
-                        memcpy(&b2, o1 + d + 16, 32); memcpy(&b3, o1 + d + 24, 32);
-                        int64_t t = t0;
-                        for (; t < ea; t++) {
-                            const float* row = vt + (t - t0) * D + d;
-                            ff_v8f x0, x1, x2, x3;
-                            memcpy(&x0, row, 32); memcpy(&x1, row + 8, 32);
-                            memcpy(&x2, row + 16, 32); memcpy(&x3, row + 24, 32);
-                            float wa = w0[t], wb = w1[t];
-                            a0 += wa * x0; a1 += wa * x1; a2 += wa * x2; a3 += wa * x3;
-                            b0 += wb * x0; b1 += wb * x1; b2 += wb * x2; b3 += wb * x3;
-                        }
-                        for (; t < eb; t++) {
-                            const float* row = vt + (t - t0) * D + d;
-                            ff_v8f x0, x1, x2, x3;
-                            memcpy(&x0, row, 32); memcpy(&x1, row + 8, 32);
-                            memcpy(&x2, row + 16, 32); memcpy(&x3, row + 24, 32);
-                            float wb = w1[t];
-                            b0 += wb * x0; b1 += wb * x1; b2 += wb * x2; b3 += wb * x3;
-                        }
-                        memcpy(o1 + d, &b0, 32); memcpy(o1 + d + 8, &b1, 32);
-                        memcpy(o1 + d + 16, &b2, 32); memcpy(o1 + d + 24, &b3, 32);
-                        memcpy(o0 + d, &a0, 32); memcpy(o0 + d + 8, &a1, 32);
-                        memcpy(o0 + d + 16, &a2, 32); memcpy(o0 + d + 24, &a3, 32);
-                    }
-                }
+                ff_weighted_rows(vp, 0, t0, t1, R, G, lim0, D, scores, n, oc);
             }
         } else {
-        /* out += w_t V_t in t order: keys in tiles whose value rows stay in cache across the rows;
-           two rows share each value load, 32 lanes per pass (8 accumulators in registers) */
-        for (int64_t t0 = 0; t0 < n; t0 += FF_TILE) {
-            int64_t t1 = t0 + FF_TILE < n ? t0 + FF_TILE : n;
-            for (int64_t t = t0; t < t1; t++) rp[t - t0] = (const char*)v + (int64_t)slots[t] * vs * esz;
-            for (int64_t r0 = 0; r0 < R; r0 += 2) {
-                int64_t r1 = r0 + 1 < R ? r0 + 1 : r0;
-                int64_t ea = lim0 + r0 / G, eb = lim0 + r1 / G;
-                ea = ea < t1 ? ea : t1; eb = eb < t1 ? eb : t1;
-                float* o0 = oc + r0 * D;
-                float* o1 = oc + r1 * D;
-                const float* w0 = scores + r0 * n;
-                const float* w1 = scores + r1 * n;
-                for (int64_t d = 0; d < D; d += 32) {
-                    ff_v8f a0, a1, a2, a3, b0, b1, b2, b3;
-                    memcpy(&a0, o0 + d, 32); memcpy(&a1, o0 + d + 8, 32);
-                    memcpy(&a2, o0 + d + 16, 32); memcpy(&a3, o0 + d + 24, 32);
-                    memcpy(&b0, o1 + d, 32); memcpy(&b1, o1 + d + 8, 32);
-                    memcpy(&b2, o1 + d + 16, 32); memcpy(&b3, o1 + d + 24, 32);
-                    int64_t t = t0;
-                    for (; t < ea; t++) {
-                        const char* row = rp[t - t0];
-                        ff_v8f x0 = ff_load8(row, d, bf16), x1 = ff_load8(row, d + 8, bf16);
-                        ff_v8f x2 = ff_load8(row, d + 16, bf16), x3 = ff_load8(row, d + 24, bf16);
-                        float wa = w0[t], wb = w1[t];
-                        a0 += wa * x0; a1 += wa * x1; a2 += wa * x2; a3 += wa * x3;
-                        b0 += wb * x0; b1 += wb * x1; b2 += wb * x2; b3 += wb * x3;
-                    }
-                    for (; t < eb; t++) {
-                        const char* row = rp[t - t0];
-                        float wb = w1[t];
-                        b0 += wb * ff_load8(row, d, bf16); b1 += wb * ff_load8(row, d + 8, bf16);
-                        b2 += wb * ff_load8(row, d + 16, bf16); b3 += wb * ff_load8(row, d + 24, bf16);
-                    }
-                    /* r1 == r0 (an odd last row): b is the same row's sums, a wins */
-                    memcpy(o1 + d, &b0, 32); memcpy(o1 + d + 8, &b1, 32);
-                    memcpy(o1 + d + 16, &b2, 32); memcpy(o1 + d + 24, &b3, 32);
-                    memcpy(o0 + d, &a0, 32); memcpy(o0 + d + 8, &a1, 32);
-                    memcpy(o0 + d + 16, &a2, 32); memcpy(o0 + d + 24, &a3, 32);
-                }
+            for (int64_t t0 = 0; t0 < n; t0 += FF_TILE) {
+                int64_t t1 = t0 + FF_TILE < n ? t0 + FF_TILE : n;
+                for (int64_t t = t0; t < t1; t++) vp[t - t0] = (const char*)v + (int64_t)slots[t] * vs * esz;
+                ff_weighted_rows(vp, bf16, t0, t1, R, G, lim0, D, scores, n, oc);
             }
-        }
         }
         for (int64_t r = 0; r < R; r++) memcpy(out + (r / G) * ots + (r % G) * D, oc + r * D, D * sizeof(float));
     }

@@ -46,7 +46,8 @@ import numpy as np
 from ..errors import FlexFlowError
 from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent, page_checksum,
                    page_digests, payload_checksums, post_xfer, unique_agent_name, wait_xfers)
-from .storage_files import HDR, MAGIC, _NAME_RE, _open_regular, build_header, parse_header  # noqa: F401 (re-exported)
+from .storage_files import (CREATE_OPEN, HDR, MAGIC, _NAME_RE, _open_regular, build_header,  # noqa: F401 (re-exported)
+                            create_files, parse_header, publish_files)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -601,34 +602,25 @@ class StorageTier(KVTier):
         # rows to write, contiguous: the caller's pages when todo is 0..m-1, else a gathered copy
         src = pages if todo == list(range(len(todo))) else np.ascontiguousarray(pages[todo])
         sums = page_digests(src, len(todo))
-        tmps: List[Tuple[int, str, str]] = []  # (fd, tmp name, final name)
+        # one random draw for the batch: os.urandom releases the GIL, so one per file waits for it per file
+        rnd = os.urandom(4 * len(claimed)).hex()
+        tmp_names = [f".tmp.{nm[:32]}.{rnd[8 * i:8 * i + 8]}" for i, nm in enumerate(claimed)]
         renamed: List[str] = []
         full, n_full = False, 0
+        # file creation and publishing: one compiled call each for the batch when built (_fb), so the
+        # worker does not wait for the GIL after every system call while the scheduler runs Python
+        fds, err, step = create_files(_fb, self.path, tmp_names, size, _preallocate)
+        tmps: List[Tuple[int, str, str]] = list(zip(fds, tmp_names, claimed))  # (fd, tmp name, final name)
+        open_fds = list(fds)
         try:
-            for nm in claimed:
-                tmp = f".tmp.{nm[:32]}.{os.urandom(4).hex()}"
-                try:
-                    fd = os.open(os.path.join(self.path, tmp),
-                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                        full = True
-                    else:
-                        log.warning("storage tier: cannot create %s: %s", tmp, e)
-                        with self._lock:
-                            self._c["failures"] += 1
-                    break
-                try:
-                    os.fchmod(fd, 0o600)
-                    _preallocate(fd, size)
-                except OSError as e:
-                    os.close(fd)
-                    self._unlink(tmp)
-                    if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                        raise
+            if err is not None:
+                if err.errno in (errno.ENOSPC, errno.EDQUOT):
                     full = True
-                    break
-                tmps.append((fd, tmp, nm))
+                else:  # the pages before it are still written; the rest are a future miss
+                    what = "create" if step == CREATE_OPEN else "reserve space for"
+                    log.warning("storage tier: cannot %s %s: %s", what, err.filename, err.strerror)
+                    with self._lock:
+                        self._c["failures"] += 1
             n = len(tmps)
             n_full = len(claimed) - n if full else 0
             if n and not self._write_payloads(tmps, src, sums, size, n):
@@ -638,9 +630,16 @@ class StorageTier(KVTier):
             if self.fsync:  # the data, before the name that makes it a page
                 for fd, _, _ in tmps:
                     os.fsync(fd)
-            for fd, tmp, nm in tmps:
-                os.rename(os.path.join(self.path, tmp), os.path.join(self.path, nm))
-                renamed.append(nm)
+            first = self._reserve_stamps(n) if n else -1
+            open_fds = []  # publish_files closes them, whatever happens
+            k, rerr = publish_files(_fb, self.path, fds, tmp_names[:n], claimed[:n], first)
+            renamed = claimed[:k]
+            if rerr is not None:
+                log.warning("storage tier: cannot rename %s into place: %s", rerr.filename, rerr.strerror)
+                for tmp in tmp_names[k:n]:
+                    self._unlink(tmp)
+                with self._lock:
+                    self._c["failures"] += 1
             if self.fsync and n:  # the renames themselves
                 dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:
@@ -667,7 +666,7 @@ class StorageTier(KVTier):
                     self._unlink(tmp)
             raise
         finally:
-            for fd, _, _ in tmps:
+            for fd in open_fds:
                 try:
                     os.close(fd)
                 except OSError:
@@ -679,8 +678,8 @@ class StorageTier(KVTier):
 
     def _write_payloads(self, tmps: List[Tuple[int, str, str]], src: np.ndarray, sums, size: int,
                         n: int) -> bool:
-        """Headers and payloads into the n open temp files, use-stamped (under _io_lock: the NIXL
-        agent and the header buffer are shared with reads). False: failed (counted) or closed; the
+        """Headers and payloads into the n open temp files (under _io_lock: the NIXL agent and the
+        header buffer are shared with reads); publish_files stamps them. False: failed (counted) or closed; the
         caller removes the temp files."""
         P = size - HDR
         with self._io_lock:
@@ -702,8 +701,6 @@ class StorageTier(KVTier):
                 except OSError as e:
                     err = e
             if err is None:
-                for fd, _, _ in tmps:
-                    self._stamp(fd)
                 return True
         with self._lock:  # after _io_lock is released: the lock order is _lock -> _io_lock
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -799,16 +796,13 @@ class StorageTier(KVTier):
                     pass
             os.close(fd)
 
-    def _stamp(self, fd: int) -> None:
-        """mtime = a strictly increasing use stamp, so the LRU order (even within one batch)
-        survives a restart: the start-up scan sorts by mtime."""
-        if self.read_only:
-            return
-        self._last_stamp = max(time.time_ns(), self._last_stamp + 1)
-        try:
-            os.utime(fd, ns=(self._last_stamp, self._last_stamp))
-        except OSError:
-            pass
+    def _reserve_stamps(self, n: int) -> int:
+        """The first of n strictly increasing use stamps (mtime, ns) for files written now, so the
+        LRU order, even within one batch, survives a restart: the start-up scan sorts by mtime."""
+        with self._io_lock:
+            first = max(time.time_ns(), self._last_stamp + 1)
+            self._last_stamp = first + n - 1
+        return first
 
     def _enter_disk_full(self, skipped: int) -> None:
         self._c["disk_full"] += 1

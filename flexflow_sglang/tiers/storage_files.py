@@ -15,7 +15,9 @@ import os
 import re
 import stat as _stat
 import struct
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
 
 from .base import CHECKSUM_CRC32, CHECKSUM_HASH64, page_checksum
 
@@ -79,3 +81,104 @@ def parse_header(raw, fp_hash: bytes, name_id: bytes,
     if page_nbytes is not None and pn != page_nbytes:
         return None, f"page_nbytes {pn} != {page_nbytes}"
     return (algo, int.from_bytes(csum if algo == CHECKSUM_HASH64 else csum[:4], "little")), ""
+
+
+# ----------------------------------------------------------------------------- batch writes
+#: the step of a batch create that failed
+CREATE_OPEN, CREATE_RESERVE = 1, 2
+
+
+def _blob(names: List[str]) -> Tuple[np.ndarray, int]:
+    """NUL-terminated names at a fixed stride, for the compiled helpers."""
+    stride = max(len(nm) for nm in names) + 1
+    raw = b"".join(nm.encode().ljust(stride, b"\0") for nm in names)
+    return np.frombuffer(raw, dtype=np.uint8), stride
+
+
+def create_files(fb, dir_path: str, names: List[str], size: int,
+                 preallocate: Callable[[int, int], None]) -> Tuple[List[int], Optional[OSError], int]:
+    """Create each of `names` under dir_path (O_EXCL, no link followed, mode 0600) and reserve `size`
+    bytes, in order, stopping at the first failure. Returns (fds of the leading files created, the
+    OSError that stopped it, naming the file's path, or None, its step: CREATE_OPEN or CREATE_RESERVE). A file whose reserve
+    failed is closed and removed. `fb`: the compiled _file_batch (one GIL release for the batch) or
+    None for this twin, which makes the same calls from Python (`preallocate`: the tier's hook)."""
+    if not names:
+        return [], None, 0
+    if fb is not None:
+        blob, stride = _blob(names)
+        fds = np.zeros(len(names), dtype=np.int64)
+        try:
+            dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:  # the directory itself is gone: nothing is created
+            return [], e, CREATE_OPEN
+        try:
+            k, step, err = fb.create_files(dfd, blob, stride, len(names), size, fds)
+        finally:
+            os.close(dfd)
+        e = OSError(err, os.strerror(err), os.path.join(dir_path, names[k])) if k < len(names) else None
+        return [int(fd) for fd in fds[:k]], e, step
+    out: List[int] = []
+    for nm in names:
+        path = os.path.join(dir_path, nm)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            return out, e, CREATE_OPEN
+        try:
+            os.fchmod(fd, 0o600)
+            preallocate(fd, size)
+        except OSError as e:
+            os.close(fd)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return out, e, CREATE_RESERVE
+        out.append(fd)
+    return out, None, 0
+
+
+def publish_files(fb, dir_path: str, fds: List[int], tmps: List[str], finals: List[str],
+                  first_stamp_ns: int) -> Tuple[int, Optional[OSError]]:
+    """Stamp file i's mtime with first_stamp_ns + i (< 0: no stamps), rename tmps[i] -> finals[i] in
+    order until one rename fails, then close every fd, whatever happened. Returns (files renamed,
+    the rename's OSError or None). `fb` as in create_files."""
+    n = len(fds)
+    if not n:
+        return 0, None
+    if fb is not None:
+        tb, ts = _blob(tmps[:n])
+        fb_, fs = _blob(finals[:n])
+        try:
+            dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:  # the directory itself is gone: nothing can be renamed
+            for fd in fds:
+                os.close(fd)
+            return 0, e
+        try:
+            k, err = fb.publish_files(dfd, np.asarray(fds, dtype=np.int64), tb, ts, fb_, fs, n, first_stamp_ns)
+        except BaseException:
+            for fd in fds:  # the call raises only before it starts (bad buffers): nothing is closed yet
+                os.close(fd)
+            raise
+        finally:
+            os.close(dfd)
+        return k, (OSError(err, os.strerror(err), os.path.join(dir_path, tmps[k])) if err else None)
+    k, failed = 0, None
+    try:
+        for i, fd in enumerate(fds):
+            if first_stamp_ns >= 0:
+                try:
+                    os.utime(fd, ns=(first_stamp_ns + i, first_stamp_ns + i))
+                except OSError:
+                    pass  # a stamp is an LRU hint
+            if failed is None:
+                try:
+                    os.rename(os.path.join(dir_path, tmps[i]), os.path.join(dir_path, finals[i]))
+                    k += 1
+                except OSError as e:
+                    failed = e
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return k, failed

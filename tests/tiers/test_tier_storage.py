@@ -294,6 +294,14 @@ def test_capacity_lru_eviction(make):
     assert t2.contains_prefix(big[2:4]) == 2 and t2.stats()["pages"] == 2
 
 
+def _hook_preallocate(monkeypatch, fn):
+    """Replace the tier's fallocate step with `fn`. The compiled batch create calls posix_fallocate
+    itself, so file creation goes through the Python twin while hooked (test_real_enospc_on_tiny_tmpfs
+    and the create/publish tests cover the compiled one)."""
+    monkeypatch.setattr(storage_mod, "_preallocate", fn)
+    monkeypatch.setattr(storage_mod, "_fb", None)
+
+
 def test_disk_full_degrades_with_one_warning(make, monkeypatch, caplog):
     t = make(disk_full_retry_s=3600)
     ks, pg = keys_for(6), pages_for(6)
@@ -304,7 +312,7 @@ def test_disk_full_degrades_with_one_warning(make, monkeypatch, caplog):
         calls["n"] += 1
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(storage_mod, "_preallocate", full)
+    _hook_preallocate(monkeypatch, full)
     caplog.set_level(logging.WARNING, logger="flexflow_sglang.tiers.storage")
     assert t.put_many(ks, pg) == 2          # nothing new, no crash
     assert t.put_many(ks, pg) == 2          # degraded: not even tried
@@ -317,7 +325,7 @@ def test_disk_full_degrades_with_one_warning(make, monkeypatch, caplog):
     out = np.zeros_like(pg)
     assert t.get_many_into(ks, out) == 2 and np.array_equal(out[:2], pg[:2])  # reads still work
     # after the retry period, writes are tried again
-    monkeypatch.setattr(storage_mod, "_preallocate", lambda fd, size: None)
+    _hook_preallocate(monkeypatch, lambda fd, size: None)
     t._degraded_until = 0
     assert t.put_many(ks, pg) == 6
 
@@ -424,7 +432,7 @@ def _block_file_creation(monkeypatch):
         inside.set()
         assert release.wait(10)
         return real(fd, size)
-    monkeypatch.setattr(storage_mod, "_preallocate", slow)
+    _hook_preallocate(monkeypatch, slow)
     return inside, release
 
 

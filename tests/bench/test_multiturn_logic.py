@@ -104,3 +104,20 @@ def test_summary_ratios_and_output_identity():
     assert s["outputs_identical"] and s["requests_with_identical_output"] == 1
     assert not summarize([backend("baseline", 200.0, [1, 2]), backend("flexflow", 100.0, [1, 3])])["outputs_identical"]
     assert summarize([backend("baseline", 200.0, [1])]) == {}
+
+
+def test_repeats_aggregate_min_median_max_and_count_the_repeats_that_meet_both_targets():
+    from flexflow_sglang.tools.bench.multiturn import aggregate
+
+    def summary(ttft, thr, same=True):
+        return {"later_rounds_flexflow_over_plain": {"mean_ttft_ms": ttft, "median_ttft_ms": ttft,
+                                                      "p99_ttft_ms": ttft, "request_throughput": thr},
+                "outputs_identical": same}
+    a = aggregate([summary(0.48, 1.51), summary(0.52, 1.43), summary(0.44, 1.62)])
+    assert a["mean_ttft_ms"] == {"min": 0.44, "median": 0.48, "max": 0.52}
+    assert a["request_throughput"]["median"] == 1.51
+    assert a["both_targets_met"] == 2 and a["paired"] == 3 and a["outputs_identical_every_repeat"]
+    # a repeat whose flexflow server did not run is not met, and outputs are then not "identical every repeat"
+    b = aggregate([summary(0.40, 2.0), {}])
+    assert b["both_targets_met"] == 1 and b["repeats"] == 2 and not b["outputs_identical_every_repeat"]
+    assert not aggregate([summary(0.4, 2.0, same=False)])["outputs_identical_every_repeat"]

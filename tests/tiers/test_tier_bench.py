@@ -44,3 +44,17 @@ def test_bench_hicache_backends_side_by_side(tmp_path):
         assert r["hicache_mooncake_write_gbps"] > 0 and r["hicache_mooncake_read_gbps"] > 0, r
     else:
         assert "hicache_mooncake_skipped" in r
+
+
+def test_bench_storage_writes_beside_a_python_thread(monkeypatch, tmp_path):
+    """`--beside-python`: both modes write every page (the bench asserts it) and report their times;
+    the compiled module is put back afterwards."""
+    from flexflow_sglang.tiers import storage as storage_mod
+    compiled = storage_mod._fb
+    monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
+    r = bench.run(page_nbytes=4 * 1024, n_pages=6, repeats=1, storage_dir=str(tmp_path), remote=False,
+                  beside_python=1)
+    assert r["beside_python_write_s_python"] > 0
+    if compiled is not None:
+        assert r["beside_python_write_s_compiled"] > 0 and r["beside_python_twin_over_compiled"] > 0
+    assert storage_mod._fb is compiled

@@ -143,6 +143,32 @@ def summarize(results: List[dict]) -> dict:
             "requests": len(bo)}
 
 
+#: issue 13's serving targets, flexflow / plain over rounds 2..: mean TTFT at most, requests/s at least
+TARGET_TTFT_RATIO, TARGET_THROUGHPUT_RATIO = 0.5, 1.5
+
+
+def aggregate(summaries: List[dict]) -> dict:
+    """Repeats of the same paired run: min / median / max of each ratio, how many repeats met both
+    targets, and whether every repeat's outputs were identical. A repeat with a missing backend
+    (empty summary) counts as not met."""
+    keys = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "request_throughput")
+    done = [s for s in summaries if s]
+    out: dict = {"repeats": len(summaries), "paired": len(done)}
+    for k in keys:
+        xs = sorted(s["later_rounds_flexflow_over_plain"][k] for s in done
+                    if s["later_rounds_flexflow_over_plain"].get(k) is not None)
+        if xs:
+            out[k] = {"min": xs[0], "median": statistics.median(xs), "max": xs[-1]}
+    out["both_targets_met"] = sum(
+        1 for s in done
+        if s["later_rounds_flexflow_over_plain"]["mean_ttft_ms"] is not None
+        and s["later_rounds_flexflow_over_plain"]["mean_ttft_ms"] <= TARGET_TTFT_RATIO
+        and (s["later_rounds_flexflow_over_plain"]["request_throughput"] or 0) >= TARGET_THROUGHPUT_RATIO)
+    out["outputs_identical_every_repeat"] = bool(done) and len(done) == len(summaries) and all(
+        s["outputs_identical"] for s in done)
+    return out
+
+
 def run_backend(name: str, model: str, turns, args) -> dict:
     from flexflow_sglang.tools.server_utils import SGLangServer, ServerStartError
     from .serve import _root_cause
@@ -222,9 +248,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="paired runs of every backend (order reversed on every other one; a fresh storage "
+                         "tier each, unless --config names one): min / median / max of each ratio")
     args = ap.parse_args(argv)
     for k in ("clients", "rounds", "system_length", "request_length", "output_length", "max_parallel",
-              "max_total_tokens", "host_tokens"):
+              "max_total_tokens", "host_tokens", "repeats"):
         if getattr(args, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be positive, got {getattr(args, k)}")
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -237,38 +266,60 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(os.path.join(model, "config.json")) as f:
         vocab = int(json.load(f)["vocab_size"])
     turns = make_turns(args.clients, args.rounds, args.system_length, args.request_length, vocab, args.seed)
-    results = []
-    for name in tqdm(backends, desc="bench multiturn", unit="server"):
-        if name == "flexflow" and args.config is None:
-            args.config = write_config(args.out, args.host_tokens, args.storage)  # fresh storage tier
-        r = run_backend(name, model, turns, args)
-        results.append(r)
-        if not r.get("ran"):
-            print(f"{name}: {r['error']}", file=sys.stderr)
-    summary = summarize(results)
+    repeats = []
+    for rep in range(args.repeats):
+        # each repeat in its own directory with a fresh storage tier (a warm one would carry the last
+        # repeat's pages); odd repeats run the backends in reverse order, so drift on a noisy machine
+        # does not always favour the same one
+        rep_out = args.out if args.repeats == 1 else os.path.join(args.out, f"repeat{rep + 1}")
+        os.makedirs(rep_out, exist_ok=True)
+        rep_args = argparse.Namespace(**vars(args))
+        rep_args.out = rep_out
+        results = []
+        order = backends if rep % 2 == 0 else backends[::-1]
+        for name in tqdm(order, desc=f"bench multiturn {rep + 1}/{args.repeats}", unit="server"):
+            if name == "flexflow" and args.config is None:
+                rep_args.config = write_config(rep_out, args.host_tokens, args.storage)  # fresh storage tier
+            r = run_backend(name, model, turns, rep_args)
+            results.append(r)
+            if not r.get("ran"):
+                print(f"{name}: {r['error']}", file=sys.stderr)
+        results.sort(key=lambda r: backends.index(r["backend"]))
+        repeats.append({"out": rep_out, "results": results, "summary": summarize(results)})
+        try:
+            plot(results, os.path.join(rep_out, "bench_multiturn.png"), f"multi-turn, {model_name}")
+        except Exception as e:  # noqa: BLE001 - the JSON is the result
+            print(f"bench multiturn: plot failed: {e}", file=sys.stderr)
     workload = {k: getattr(args, k) for k in ("clients", "rounds", "system_length", "request_length",
                                               "output_length", "max_parallel", "max_total_tokens", "host_tokens",
                                               "storage", "config", "page_size", "dtype", "attention_backend",
-                                              "forward_threads", "seed")}
+                                              "forward_threads", "seed", "repeats")}
+    results, summary = repeats[0]["results"], repeats[0]["summary"]
     out = {"command": "flexflow bench multiturn " + " ".join(argv), "commit": _commit(), "model": model_name,
            "workload": workload, "results": results, "summary": summary}
+    if args.repeats > 1:
+        out["repeats"] = repeats
+        out["across_repeats"] = aggregate([r["summary"] for r in repeats])
     with open(os.path.join(args.out, "bench_multiturn.json"), "w") as f:
         json.dump(out, f, indent=1)
-    try:
-        plot(results, os.path.join(args.out, "bench_multiturn.png"), f"multi-turn, {model_name}")
-    except Exception as e:  # noqa: BLE001 - the JSON is the result
-        print(f"bench multiturn: plot failed: {e}", file=sys.stderr)
     print(f"model {model_name}, commit {out['commit']}")
     print(f"{'backend':10} {'round':>5} {'TTFT mean':>10} {'p50':>8} {'p99':>8} {'req/s':>7} {'cached':>7} {'tiers':>7}")
-    for r in results:
-        for i, s in enumerate(r.get("rounds", [])):
-            if s:
-                print(f"{r['backend']:10} {i + 1:5d} {s['mean_ttft_ms']:10.1f} {s['median_ttft_ms']:8.1f} "
-                      f"{s['p99_ttft_ms']:8.1f} {s['request_throughput']:7.2f} {s['cached_ratio']:7.1%} "
-                      f"{s['tier_ratio']:7.1%}")
+    for i_rep, rp in enumerate(repeats):
+        if args.repeats > 1:
+            print(f"repeat {i_rep + 1}")
+        for r in rp["results"]:
+            for i, s in enumerate(r.get("rounds", [])):
+                if s:
+                    print(f"{r['backend']:10} {i + 1:5d} {s['mean_ttft_ms']:10.1f} {s['median_ttft_ms']:8.1f} "
+                          f"{s['p99_ttft_ms']:8.1f} {s['request_throughput']:7.2f} {s['cached_ratio']:7.1%} "
+                          f"{s['tier_ratio']:7.1%}")
+    if args.repeats > 1:
+        for i_rep, rp in enumerate(repeats):
+            print(f"repeat {i_rep + 1}: " + json.dumps(rp["summary"].get("later_rounds_flexflow_over_plain")))
+        summary = out["across_repeats"]
     print(json.dumps(summary, indent=1))
-    print(f"wrote {os.path.join(args.out, 'bench_multiturn.json')} and bench_multiturn.png")
-    return 0 if all(r.get("ran") for r in results) else 1
+    print(f"wrote {os.path.join(args.out, 'bench_multiturn.json')} and the plots")
+    return 0 if all(r.get("ran") for rp in repeats for r in rp["results"]) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,6 +6,8 @@
 
 * storage: StorageTier.put_many / get_many_into (NIXL POSIX, header + 64-bit page hash, temp file + rename,
   index) against a plain Python write/read of the same bytes, one file per page, same directory.
+  `--beside-python N`: N alternating rounds of the same writes while another thread runs Python (as
+  SGLang's scheduler thread does), with the compiled per-batch file calls and with their Python twin.
 * remote: RemoteTier.put_many / get_many_into against one tier server process, against a raw NIXL
   UCX WRITE / READ of the same bytes (same descriptor shape: one descriptor per page) from a
   bare agent to a bare target process. Both over loopback, both polled with 1 ms sleeps.
@@ -84,6 +86,54 @@ def _bench_storage(root: str, P: int, n: int, repeats: int) -> dict:
         return r
     finally:
         tier.close()
+
+
+def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dict:
+    """Storage-tier writes while another thread runs Python (as SGLang's scheduler thread does between
+    torch ops): with the compiled per-batch file calls (_file_batch) and with their Python twin, which
+    re-acquires the GIL after every per-file system call. Median wall seconds for n pages, each mode."""
+    import threading
+
+    from flexflow_sglang.tiers import storage as storage_mod
+    compiled = storage_mod._fb
+    pages = np.random.default_rng(2).integers(0, 256, size=(n, P), dtype=np.uint8)
+    stop = threading.Event()
+
+    def spin():  # pure Python: holds the GIL until the interpreter's switch interval asks for it
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i
+
+    modes = [("compiled", compiled), ("python", None)] if compiled is not None else [("python", None)]
+    times: dict = {m: [] for m, _ in modes}
+    th = threading.Thread(target=spin, name="bench-python-spin", daemon=True)
+    th.start()
+    try:
+        for rep in range(repeats):
+            for m, fb in modes:  # alternating, so that drift on a noisy machine hits both
+                storage_mod._fb = fb
+                tier = _bench_tier(os.path.join(root, f"busy-{m}-{rep}"), n * (P + 64) * 2)
+                try:
+                    keys = [os.urandom(32) for _ in range(n)]
+                    t = time.perf_counter()
+                    assert tier.put_many(keys, pages) == n, "storage tier stored fewer pages beside Python"
+                    times[m].append(time.perf_counter() - t)
+                finally:
+                    tier.close()
+    finally:
+        storage_mod._fb = compiled
+        stop.set()
+        th.join()
+    r = {f"beside_python_write_s_{m}": statistics.median(v) for m, v in times.items()}
+    if "compiled" in times:
+        r["beside_python_twin_over_compiled"] = r["beside_python_write_s_python"] / r["beside_python_write_s_compiled"]
+    return r
+
+
+def _bench_tier(path: str, capacity_bytes: int):
+    from flexflow_sglang.tiers.storage import StorageTier
+    return StorageTier(path, capacity_bytes=capacity_bytes, fingerprint="bench")
 
 
 def _spawn(argv, ready_timeout: float = 60.0):
@@ -276,8 +326,10 @@ def _hicache_section(res: dict, backends, P: int, n: int, repeats: int) -> None:
 
 
 def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage_dir: Optional[str] = None,
-        storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0, hicache=()) -> dict:
-    """Returns throughputs (GB/s, 1e9) and tier/baseline ratios; keys are listed in the module doc."""
+        storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0, hicache=(),
+        beside_python: int = 0) -> dict:
+    """Returns throughputs (GB/s, 1e9) and tier/baseline ratios; keys are listed in the module doc.
+    beside_python: that many alternating rounds of storage writes beside a thread running Python."""
     res = dict(page_nbytes=page_nbytes, n_pages=n_pages, repeats=repeats, bytes=page_nbytes * n_pages,
                ucx_tls=os.environ.get("UCX_TLS", "(default)"), nixl=load_nixl()[0] is not None)
     probe = np.random.default_rng(3).integers(0, 256, size=(n_pages, page_nbytes), dtype=np.uint8)
@@ -291,6 +343,8 @@ def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage
     if storage:
         with tempfile.TemporaryDirectory(prefix="ffbench-", dir=storage_dir) as root:
             res.update(_bench_storage(root, page_nbytes, n_pages, repeats))
+            if beside_python:
+                res.update(_bench_storage_beside_python(root, page_nbytes, n_pages, beside_python))
     if remote:
         if res["nixl"]:
             res.update(_bench_remote(page_nbytes, n_pages, repeats, timeout_ms))
@@ -311,13 +365,16 @@ def main(argv=None) -> int:
     ap.add_argument("--hicache", default="file,mooncake",
                     help="SGLang HiCache storage backends to measure through hicache_storage, side by side "
                          "('' for none; one that cannot run here is skipped with the reason)")
+    ap.add_argument("--beside-python", type=int, default=0, metavar="ROUNDS",
+                    help="also time storage writes beside a thread running Python (the GIL contention of "
+                         "SGLang's scheduler thread), compiled per-batch file calls vs their Python twin")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--raw-target", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.raw_target is not None:
         return _raw_target(a.raw_target)
     r = run(a.page_kib * 1024, a.pages, a.repeats, a.dir, not a.no_storage, not a.no_remote,
-            hicache=[b for b in a.hicache.split(",") if b])
+            hicache=[b for b in a.hicache.split(",") if b], beside_python=a.beside_python)
     if a.json:
         print(json.dumps(r, indent=2))
     else:

@@ -230,3 +230,35 @@ def publish_files(int dirfd, int64_t[::1] fds, const uint8_t[::1] tmp_names, int
         for i in range(n):
             close(<int>fds[i])
     return k, err
+
+
+cdef extern from "<sys/uio.h>" nogil:
+    ssize_t pwritev(int fd, const iovec* iov, int iovcnt, long offset)
+
+
+def write_pages(int64_t[::1] fds, int64_t n, uint64_t hdr_ptr, int64_t hdr_len, uint64_t data_ptr,
+                int64_t data_stride, int64_t page_len):
+    """Write file i's header (hdr_len bytes from hdr_ptr + i * hdr_len) and payload (page_len bytes
+    from data_ptr + i * data_stride) at offset 0, all with the GIL released once: the storage tier's
+    `os` backend (no NIXL). Stops at the first failed or short write. Returns (k, err): the first k
+    files are written whole; err is the errno of write k (EIO for a short write; 0: all were)."""
+    cdef int64_t i, k = 0
+    cdef int err = 0
+    cdef ssize_t got
+    cdef iovec iov[2]
+    if fds.shape[0] < n:
+        raise ValueError("write_pages: fds shorter than n")
+    if n and (hdr_ptr == 0 or hdr_len < 4 or data_ptr == 0 or page_len < 0 or data_stride < page_len):
+        raise ValueError("write_pages: bad buffer description")
+    with nogil:
+        for i in range(n):
+            iov[0].iov_base = <void*>(<uint8_t*>hdr_ptr + i * hdr_len)
+            iov[0].iov_len = hdr_len
+            iov[1].iov_base = <void*>(<uint8_t*>data_ptr + i * data_stride)
+            iov[1].iov_len = page_len
+            got = pwritev(<int>fds[i], iov, 2, 0)
+            if got != hdr_len + page_len:
+                err = errno if got < 0 else 5   # EIO: a short write
+                break
+            k += 1
+    return k, err

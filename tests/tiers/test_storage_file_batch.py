@@ -122,3 +122,25 @@ def test_a_tier_whose_directory_vanished_counts_a_failure_and_loses_nothing_else
     s = t.stats()
     assert s["failures"] >= 1 and s["pages_written"] == 2 and s["used_bytes"] == 2 * (64 + 256)
     t.close()
+
+
+def test_compiled_write_pages_writes_header_and_payload_and_stops_at_a_failed_write(tmp_path):
+    if _file_batch is None:
+        pytest.skip("the _file_batch extension is not built")
+    hdr = np.arange(3 * 8, dtype=np.uint8).reshape(3, 8)
+    data = np.random.default_rng(0).integers(0, 256, size=(3, 40), dtype=np.uint8)
+    fds = []
+    for i in range(3):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(b"")
+        fds.append(os.open(p, os.O_RDONLY if i == 2 else os.O_WRONLY))  # file 2 cannot be written
+    try:
+        k, err = _file_batch.write_pages(np.asarray(fds, dtype=np.int64), 3, hdr.ctypes.data, 8,
+                                         data.ctypes.data, data.strides[0], 40)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert (k, err) == (2, errno.EBADF)
+    for i in range(2):
+        assert (tmp_path / f"f{i}").read_bytes() == hdr[i].tobytes() + data[i].tobytes()
+    assert (tmp_path / "f2").read_bytes() == b""

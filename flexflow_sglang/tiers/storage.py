@@ -47,7 +47,7 @@ from ..errors import FlexFlowError
 from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent, page_checksum,
                    page_digests, payload_checksums, post_xfer, unique_agent_name, wait_xfers)
 from .storage_files import (CREATE_OPEN, HDR, MAGIC, _NAME_RE, _open_regular, build_header,  # noqa: F401 (re-exported)
-                            create_files, parse_header, publish_files)
+                            create_files, parse_header, publish_files, write_pages)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -694,7 +694,7 @@ class StorageTier(KVTier):
                 if not ok:
                     self._nixl_failed("write")
             if not ok:
-                err = self._os_write(tmps, hdr, src, n, size)
+                err = write_pages(_fb, [t[0] for t in tmps[:n]], [t[1] for t in tmps[:n]], hdr, src, size)
             if err is None:
                 return True
         with self._lock:  # after _io_lock is released: the lock order is _lock -> _io_lock
@@ -704,24 +704,6 @@ class StorageTier(KVTier):
                 log.warning("storage tier write failed: %s", err)
                 self._c["failures"] += 1
         return False
-
-    @staticmethod
-    def _os_write(tmps: List[Tuple[int, str, str]], hdr: np.ndarray, src: np.ndarray, n: int,
-                  size: int) -> Optional[OSError]:
-        """Header i and payload i into temp file i with pwritev (no NIXL): one compiled call for the
-        batch when built, so the worker does not wait for the GIL after every file."""
-        fds = [t[0] for t in tmps[:n]]
-        if _fb is not None and src.strides[1] == 1 and hdr.flags.c_contiguous:
-            k, e = _fb.write_pages(np.asarray(fds, dtype=np.int64), n, hdr.ctypes.data, HDR, src.ctypes.data,
-                                   src.strides[0], size - HDR)
-            return None if k == n else OSError(e, os.strerror(e), tmps[k][1])
-        try:
-            for j, fd in enumerate(fds):
-                if os.pwritev(fd, [memoryview(hdr[j]), memoryview(src[j])], 0) != size:
-                    raise OSError(errno.EIO, "short write", tmps[j][1])
-        except OSError as e:
-            return e
-        return None
 
     def _open_leading(self, names: List[str], size: int) -> List[int]:
         """Open the leading page files of `names` that are regular files of ours of `size` bytes

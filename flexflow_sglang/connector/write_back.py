@@ -3,9 +3,9 @@ freshly stored pages, and spills of host-tier LRU victims. The connector owns th
 tiers; this part decides what each job reads (pinned host pages or a copy), queues it, and settles it.
 
 Write-throughs pin at most `pin_budget` host pages at a time (a quarter of the tier): a backlog on a
-slow link beyond that copies its rows into the job, so stores always find pages to take. A spill
-copies its victims out at once (the caller reuses the pages next) and skips the victims the first
-deep tier already holds (`KVTier.holds_locally`). A full engine queue drops the copy (a future miss,
+slow link beyond that copies the rows past the budget into a second job, so stores always find pages
+to take. A spill copies its victims out at once (the caller reuses the pages next) and skips the
+victims the first deep tier already holds (`KVTier.holds_locally`). A full engine queue drops the copy (a future miss,
 counted), never waits.
 """
 
@@ -43,7 +43,8 @@ class WriteBack:
     # ----------------------------------------------------------------- write-through
     def write_through(self, keys, pages) -> None:
         """Copy freshly stored pages to deeper tiers configured write-through (persistence across
-        restarts, sharing with other instances): one engine job."""
+        restarts, sharing with other instances): one engine job, or two when only its leading pages
+        fit the pin budget."""
         c = self.conn
         tiers = [t for t in c.tiers if getattr(t, "write_through", False)]
         if not tiers:
@@ -54,17 +55,27 @@ class WriteBack:
             return
         if len(lacking) < len(keys):
             keys, pages = [keys[i] for i in lacking], [pages[i] for i in lacking]
+        # zero copy for as many pages as the pin budget has room for: the job reads those host pages,
+        # pinned (no eviction or reuse) until it is reaped. Past the budget (a backlog on a slow link
+        # already pins its share of the host tier) pinning more would leave new stores no page to
+        # take (their KV then stays device-only and is lost at eviction): the rest is copied out now,
+        # on this (the scheduler's) thread, and those host pages stay evictable. Before, one page
+        # over the budget made the whole store copy.
+        room = max(0, min(len(pages), self.pin_budget - self.pinned))
+        if room:
+            self._submit_write_through(keys[:room], pages[:room], tiers, pinned=True)
+        if room < len(pages):
+            self._submit_write_through(keys[room:], pages[room:], tiers, pinned=False)
+
+    def _submit_write_through(self, keys, pages, tiers, pinned: bool) -> None:
+        c = self.conn
         nbytes = len(pages) * c.layout.page_nbytes
-        if self.pinned + len(pages) <= self.pin_budget:
-            # zero copy: the job reads the host pages, pinned (no eviction or reuse) until it is reaped
+        if pinned:
             c.host.pin(pages)
             self.pinned += len(pages)
             job = Job("write_through", self._write_through_run, nbytes=nbytes, ctx=(keys, pages, tiers, None))
         else:
-            # a backlog (a slow remote link) already pins its share of the host tier: pinning more
-            # would leave new stores no page to take (their KV then stays device-only and is lost
-            # at eviction). Copy the rows out now instead; the host pages stay evictable.
-            if not c.engine.fits(nbytes):
+            if not c.engine.fits(nbytes):  # refused before the copy is made
                 c._m["write_through_dropped"] += 1
                 return
             rows = self._rows(pages)

@@ -108,7 +108,25 @@ def test_write_through_backlog_past_the_pin_budget_copies_and_leaves_pages_evict
     assert torch.equal(torch.stack([torch.from_numpy(tier.pages[k]) for k in b]), b_rows)
 
 
-@pytest.mark.parametrize("host_tokens", [2048, 1024])  # the second store pinned / copied (pin budget 512 / 256)
+def test_a_store_past_the_pin_budget_pins_what_fits_and_copies_only_the_rest(conns):
+    """Room for 4 of 6 pages in the pin budget: those 4 go zero-copy (pinned), only 2 are copied on
+    the scheduler's thread, and all 6 reach the tier with the bytes the host tier held."""
+    kv = mha(ps=1, layers=4, heads=4, dim=64)
+    tier = GatedTier()
+    c = conns(kv, cfg(host_tokens=16), [tier])  # budget 4 pages
+    a = c.page_keys(list(range(6)))
+    assert c.store(a, rand_slots(6, 1, 1)).ok
+    m = c.metrics()
+    assert c.host.pinned_pages == 4 and m["write_through_copied"] == 1 and m["write_through_dropped"] == 0
+    host_rows = c.host.words[torch.tensor([c.host.page_of(k) for k in a])].view(torch.uint8).clone()
+    tier.gate.set()
+    assert c.drain(5) and c.host.pinned_pages == 0
+    assert tier.contains_prefix(a) == 6
+    assert torch.equal(torch.stack([torch.from_numpy(tier.pages[k]) for k in a]), host_rows)
+    assert c.metrics()["pages_written_through"] == 6
+
+
+@pytest.mark.parametrize("host_tokens", [2048, 800])  # the second store pinned / copied (pin budget 512 / 200)
 def test_full_queue_drops_write_through_never_blocks(conns, host_tokens):
     kv = mha(ps=1, layers=4, heads=4, dim=64)  # 4 KiB pages
     tier = GatedTier()

@@ -132,8 +132,9 @@ def read_pages(int64_t[::1] fds, int64_t n, uint64_t hdr_ptr, int64_t hdr_len, u
 # A storage-tier write of n one-page files creates, reserves, stamps, renames and closes each file:
 # six system calls per file. Made from Python, each one re-acquires the GIL afterwards, and while
 # SGLang's scheduler thread runs Python that waits up to the switch interval (5 ms) every time: 1,024
-# pages of 128 KiB took 24 s beside a thread running Python, 0.28 s without it (ad hoc,
-# docs/results.md). Here a batch releases the GIL once to create and once to publish.
+# pages of 128 KiB beside a thread running Python took 20.2 s that way, 0.91 s here (`flexflow bench
+# tiers --beside-python 3`, docs/results.md). Here a batch releases the GIL once to create and once to
+# publish.
 
 cdef extern from "<fcntl.h>" nogil:
     enum: O_WRONLY
@@ -155,22 +156,22 @@ cdef extern from "<errno.h>" nogil:
     enum: EINVAL
     enum: ENOSYS
 
-# which step of create_files failed (its second return value)
+# which step of create_files failed (its second return value); tiers/storage_files.py's CREATE_OPEN /
+# CREATE_RESERVE are these values (its twin returns the same; tests/tiers/test_storage_file_batch.py)
 cdef enum:
     STEP_OK = 0
     STEP_OPEN = 1      # openat: the file was not created
     STEP_RESERVE = 2   # fchmod or posix_fallocate: the file was created, then closed and removed
-CREATE_OK, CREATE_OPEN, CREATE_RESERVE = STEP_OK, STEP_OPEN, STEP_RESERVE
 
 
 def create_files(int dirfd, const uint8_t[::1] names, int64_t stride, int64_t n, int64_t size,
                  int64_t[::1] fds):
     """Create names[i] (NUL-terminated, `stride` bytes apart) under dirfd: O_CREAT | O_EXCL, never
     following a link, mode 0600 (and fchmod 0600: the umask can only narrow openat's mode, and a page
-    file must be exactly owner read/write), then reserve `size` bytes with posix_fallocate so that a full disk shows up here
-    (a filesystem without fallocate, EOPNOTSUPP / EINVAL / ENOSYS, is not an error). Stops at the
-    first failure. Returns (k, step, err): the first k files are created, their descriptors in
-    fds[:k]; step (CREATE_*) and errno say why file k is not. A file that fails after its openat is
+    file must be exactly owner read/write), then reserve `size` bytes with posix_fallocate so that a
+    full disk shows up here (a filesystem without fallocate, EOPNOTSUPP / EINVAL / ENOSYS, is not an
+    error). Stops at the first failure. Returns (k, step, err): the first k files are created, their
+    descriptors in fds[:k]; step (STEP_*) and errno say why file k is not. A file that fails after its openat is
     closed and removed before returning."""
     cdef int64_t i, k = 0
     cdef int fd, rc, step = STEP_OK, err = 0

@@ -5,8 +5,8 @@ tiers; this part decides what each job reads (pinned host pages or a copy), queu
 Write-throughs pin at most `pin_budget` host pages at a time (a quarter of the tier): a backlog on a
 slow link beyond that copies the rows past the budget into a second job, so stores always find pages
 to take. A spill copies its victims out at once (the caller reuses the pages next) and skips the
-victims the first deep tier already holds (`KVTier.holds_locally`). A full engine queue drops the copy (a future miss,
-counted), never waits.
+victims the first deep tier already holds (`KVTier.holds_locally`). A full engine queue drops the
+copy (a future miss, counted), never waits.
 """
 
 from __future__ import annotations

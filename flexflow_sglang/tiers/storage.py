@@ -679,8 +679,8 @@ class StorageTier(KVTier):
     def _write_payloads(self, tmps: List[Tuple[int, str, str]], src: np.ndarray, sums, size: int,
                         n: int) -> bool:
         """Headers and payloads into the n open temp files (under _io_lock: the NIXL agent and the
-        header buffer are shared with reads); publish_files stamps them. False: failed (counted) or closed; the
-        caller removes the temp files."""
+        header buffer are shared with reads); publish_files stamps them. False: failed (counted) or
+        closed; the caller removes the temp files."""
         P = size - HDR
         with self._io_lock:
             if self._closed:

@@ -85,7 +85,7 @@ def parse_header(raw, fp_hash: bytes, name_id: bytes,
 
 
 # ----------------------------------------------------------------------------- batch writes
-#: the step of a batch create that failed
+#: the step of a batch create that failed; the compiled create_files returns the same values (STEP_*)
 CREATE_OPEN, CREATE_RESERVE = 1, 2
 
 
@@ -100,8 +100,8 @@ def create_files(fb, dir_path: str, names: List[str], size: int,
                  preallocate: Callable[[int, int], None]) -> Tuple[List[int], Optional[OSError], int]:
     """Create each of `names` under dir_path (O_EXCL, no link followed, mode 0600) and reserve `size`
     bytes, in order, stopping at the first failure. Returns (fds of the leading files created, the
-    OSError that stopped it, naming the file's path, or None, its step: CREATE_OPEN or CREATE_RESERVE). A file whose reserve
-    failed is closed and removed. `fb`: the compiled _file_batch (one GIL release for the batch) or
+    OSError that stopped it (naming the file's path) or None, its step: CREATE_OPEN or
+    CREATE_RESERVE). A file whose reserve failed is closed and removed. `fb`: the compiled _file_batch (one GIL release for the batch) or
     None for this twin, which makes the same calls from Python (`preallocate`: the tier's hook)."""
     if not names:
         return [], None, 0

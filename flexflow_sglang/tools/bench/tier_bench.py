@@ -95,6 +95,7 @@ def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dic
     import threading
 
     from flexflow_sglang.tiers import storage as storage_mod
+    from flexflow_sglang.tiers.storage import StorageTier
     compiled = storage_mod._fb
     pages = np.random.default_rng(2).integers(0, 256, size=(n, P), dtype=np.uint8)
     stop = threading.Event()
@@ -113,7 +114,8 @@ def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dic
         for rep in range(repeats):
             for m, fb in modes:  # alternating, so that drift on a noisy machine hits both
                 storage_mod._fb = fb
-                tier = _bench_tier(os.path.join(root, f"busy-{m}-{rep}"), n * (P + 64) * 2)
+                tier = StorageTier(os.path.join(root, f"busy-{m}-{rep}"), capacity_bytes=n * (P + 64) * 2,
+                                   fingerprint="bench")
                 try:
                     keys = [os.urandom(32) for _ in range(n)]
                     t = time.perf_counter()
@@ -129,11 +131,6 @@ def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dic
     if "compiled" in times:
         r["beside_python_twin_over_compiled"] = r["beside_python_write_s_python"] / r["beside_python_write_s_compiled"]
     return r
-
-
-def _bench_tier(path: str, capacity_bytes: int):
-    from flexflow_sglang.tiers.storage import StorageTier
-    return StorageTier(path, capacity_bytes=capacity_bytes, fingerprint="bench")
 
 
 def _spawn(argv, ready_timeout: float = 60.0):

@@ -80,6 +80,7 @@ class StorageTierConfig:
     write_through: bool = True  # copy every stored page here too (else only host-tier evictions)
     read_only: bool = False  # serve the pages already there, write nothing (read-only media, shared copies)
     fsync: bool = False  # fsync each page before it counts as stored (survives power loss; slower)
+    layout: str = "files"  # files: one file per page | slabs: slots of a few preallocated files
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,8 @@ _RULES: Dict[str, Dict[str, tuple]] = {
                   "canonical_on_insert": ("bool", None)},
     "storage_tier": {"enabled": ("bool", None), "path": ("str", None), "capacity_gb": ("positive", None),
                      "backend": ("choice", ("auto", "posix", "gds", "os")), "eviction": ("choice", ("lru",)),
-                     "write_through": ("bool", None), "read_only": ("bool", None), "fsync": ("bool", None)},
+                     "write_through": ("bool", None), "read_only": ("bool", None), "fsync": ("bool", None),
+                     "layout": ("choice", ("files", "slabs"))},
     "remote_tier": {"enabled": ("bool", None), "peers": ("hostport_list", None), "listen": ("hostport", None),
                     "timeout_ms": ("positive", None), "retry_after_s": ("positive", None),
                     "write_through": ("bool", None), "secret_file": ("opt_str", None),

@@ -155,6 +155,7 @@ cdef extern from "<errno.h>" nogil:
     enum: EOPNOTSUPP
     enum: EINVAL
     enum: ENOSYS
+    enum: EINTR
 
 # which step of create_files failed (its second return value); tiers/storage_files.py's CREATE_OPEN /
 # CREATE_RESERVE are these values (its twin returns the same; tests/tiers/test_storage_file_batch.py)
@@ -260,6 +261,50 @@ def write_pages(int64_t[::1] fds, int64_t n, uint64_t hdr_ptr, int64_t hdr_len, 
             got = pwritev(<int>fds[i], iov, 2, 0)
             if got != hdr_len + page_len:
                 err = errno if got < 0 else 5   # EIO: a short write
+                break
+            k += 1
+    return k, err
+
+
+# ---------------------------------------------------------------- slab files (tiers/storage_slabs.py)
+cdef extern from "<unistd.h>" nogil:
+    ssize_t pread(int fd, void* buf, size_t count, long offset)
+    ssize_t pwrite(int fd, const void* buf, size_t count, long offset)
+
+
+def transfer_at(int64_t[::1] fds, int64_t[::1] offsets, uint64_t[::1] ptrs, int64_t[::1] lens, int64_t n,
+                bint write):
+    """n positioned reads (or writes): lens[i] bytes between file fds[i] at offsets[i] and memory
+    ptrs[i], all with the GIL released once (the slab storage tier's `os` backend, and its header and
+    use-stamp I/O). A short transfer is resumed; end of file or an error stops the batch. Returns
+    (k, err): the first k transfers are whole; err is the errno of transfer k (EIO at end of file;
+    0: all were)."""
+    cdef int64_t i, k = 0, done
+    cdef int err = 0
+    cdef ssize_t got
+    if fds.shape[0] < n or offsets.shape[0] < n or ptrs.shape[0] < n or lens.shape[0] < n:
+        raise ValueError("transfer_at: an array is shorter than n")
+    for i in range(n):
+        if ptrs[i] == 0 or lens[i] < 0 or offsets[i] < 0:
+            raise ValueError(f"transfer_at: bad transfer {i}")
+    with nogil:
+        for i in range(n):
+            done = 0
+            while done < lens[i]:
+                if write:
+                    got = pwrite(<int>fds[i], <uint8_t*>ptrs[i] + done, lens[i] - done, offsets[i] + done)
+                else:
+                    got = pread(<int>fds[i], <uint8_t*>ptrs[i] + done, lens[i] - done, offsets[i] + done)
+                if got < 0:
+                    if errno == EINTR:
+                        continue
+                    err = errno
+                    break
+                if got == 0:
+                    err = 5   # EIO: end of file inside the transfer
+                    break
+                done += got
+            if err:
                 break
             k += 1
     return k, err

@@ -20,18 +20,21 @@ from .memory import InMemoryTier
 from .registry import TierContext, TierFactory, create_tier, register_tier, registered_tiers
 from .remote import RemoteTier
 from .storage import StorageTier, StorageTierError
+from .storage_slabs import SlabStorageTier
 from .wire import WireError
 
-__all__ = ["KVTier", "StorageTier", "StorageTierError", "RemoteTier", "InMemoryTier", "WireError",
+__all__ = ["KVTier", "StorageTier", "SlabStorageTier", "StorageTierError", "RemoteTier", "InMemoryTier", "WireError",
            "TierContext", "TierFactory", "register_tier", "registered_tiers", "create_tier",
            "storage_from_config", "remote_from_config", "storage_factory", "remote_factory"]
 
 
 def storage_from_config(cfg, fingerprint: str, node: str = "nvme0", page_nbytes=None) -> StorageTier:
-    """StorageTier from a config.StorageTierConfig (path, capacity_gb, backend, eviction, read_only, fsync)."""
-    return StorageTier(cfg.path, capacity_gb=cfg.capacity_gb, backend=cfg.backend, eviction=cfg.eviction,
-                       fingerprint=fingerprint, page_nbytes=page_nbytes, node=node,
-                       read_only=getattr(cfg, "read_only", False), fsync=getattr(cfg, "fsync", False))
+    """StorageTier from a config.StorageTierConfig (path, capacity_gb, backend, eviction, read_only, fsync,
+    layout: `files` -> StorageTier, `slabs` -> SlabStorageTier)."""
+    cls = SlabStorageTier if getattr(cfg, "layout", "files") == "slabs" else StorageTier
+    return cls(cfg.path, capacity_gb=cfg.capacity_gb, backend=cfg.backend, eviction=cfg.eviction,
+               fingerprint=fingerprint, page_nbytes=page_nbytes, node=node,
+               read_only=getattr(cfg, "read_only", False), fsync=getattr(cfg, "fsync", False))
 
 
 def remote_from_config(cfg, node=None, selector=None, local_node=None, engine=None) -> RemoteTier:

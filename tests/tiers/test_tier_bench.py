@@ -58,3 +58,19 @@ def test_bench_storage_writes_beside_a_python_thread(monkeypatch, tmp_path):
     if compiled is not None:
         assert r["beside_python_write_s_compiled"] > 0 and r["beside_python_twin_over_compiled"] > 0
     assert storage_mod._fb is compiled
+
+
+def test_bench_layouts_side_by_side_with_room_and_full(monkeypatch, tmp_path):
+    """`--layouts files,slabs`: both layouts store and read back every page (the bench asserts the
+    bytes), with room and full; full, every store after the first evicts a whole round of pages."""
+    from flexflow_sglang.tiers import storage as storage_mod
+    monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
+    r = bench.run(page_nbytes=4 * 1024, n_pages=8, repeats=2, storage_dir=str(tmp_path), remote=False,
+                  layouts=["files", "slabs"])
+    for tag in ("", "full_"):
+        for m in ("files", "slabs"):
+            assert r[f"layout_{tag}{m}_write_gbps"] > 0 and r[f"layout_{tag}{m}_read_gbps"] > 0
+            assert r[f"layout_{tag}{m}_write_cpu_us_per_page"] >= 0
+        assert r[f"layout_{tag}slabs_over_files_write"] > 0
+    assert r["layout_files_evictions"] == r["layout_slabs_evictions"] == 0
+    assert r["layout_full_files_evictions"] == r["layout_full_slabs_evictions"] == 2 * 8

@@ -240,6 +240,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="device KV pool of every server")
     ap.add_argument("--host-tokens", type=int, default=4096, help="host tier of the flexflow server (tokens)")
     ap.add_argument("--storage", action="store_true", help="a storage tier under --out catches host-tier spills")
+    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="files",
+                    help="storage_tier.layout of that storage tier")
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG instead of --host-tokens/--storage")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, else auto)")
@@ -279,7 +281,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         order = backends if rep % 2 == 0 else backends[::-1]
         for name in tqdm(order, desc=f"bench multiturn {rep + 1}/{args.repeats}", unit="server"):
             if name == "flexflow" and args.config is None:
-                rep_args.config = write_config(rep_out, args.host_tokens, args.storage)  # fresh storage tier
+                rep_args.config = write_config(rep_out, args.host_tokens, args.storage,  # fresh storage tier
+                                               args.storage_layout)
             r = run_backend(name, model, turns, rep_args)
             results.append(r)
             if not r.get("ran"):
@@ -292,8 +295,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"bench multiturn: plot failed: {e}", file=sys.stderr)
     workload = {k: getattr(args, k) for k in ("clients", "rounds", "system_length", "request_length",
                                               "output_length", "max_parallel", "max_total_tokens", "host_tokens",
-                                              "storage", "config", "page_size", "dtype", "attention_backend",
-                                              "forward_threads", "seed", "repeats")}
+                                              "storage", "storage_layout", "config", "page_size", "dtype",
+                                              "attention_backend", "forward_threads", "seed", "repeats")}
     results, summary = repeats[0]["results"], repeats[0]["summary"]
     out = {"command": "flexflow bench multiturn " + " ".join(argv), "commit": _commit(), "model": model_name,
            "workload": workload, "results": results, "summary": summary}

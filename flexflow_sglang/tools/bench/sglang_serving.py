@@ -69,9 +69,10 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
 BACKENDS = ("baseline", "flexflow", "flexflow-shared")
 
 
-def write_config(out: str, host_tokens: int, storage: bool) -> str:
+def write_config(out: str, host_tokens: int, storage: bool, storage_layout: str = "files") -> str:
     """A FLEXFLOW_CONFIG for this run: a host tier of `host_tokens` tokens (smaller than the working
-    set makes pages spill), and with `storage` a storage tier under `out` that catches the spills."""
+    set makes pages spill), and with `storage` a storage tier under `out` (`storage_tier.layout`:
+    `storage_layout`) that catches the spills."""
     import shutil
 
     import yaml
@@ -80,7 +81,7 @@ def write_config(out: str, host_tokens: int, storage: bool) -> str:
     if storage:
         kv = os.path.join(out, "storage-kv")
         shutil.rmtree(kv, ignore_errors=True)  # every backend starts from an empty storage tier
-        cfg["storage_tier"] = {"enabled": True, "path": kv, "capacity_gb": 8.0}
+        cfg["storage_tier"] = {"enabled": True, "path": kv, "capacity_gb": 8.0, "layout": storage_layout}
     path = os.path.join(out, "flexflow.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -356,6 +357,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=None,
                     help="write a config with a host tier of this many tokens (instead of --config)")
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
+    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="files",
+                    help="storage_tier.layout of that storage tier")
     ap.add_argument("--page-size", type=int, default=None,
                     help="SGLang --page-size of every server (default: SGLang's, 1); the tiers' pages follow it")
     ap.add_argument("--forward-threads", type=int, default=0,
@@ -388,7 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_served_model(args)
     if args.host_tokens is not None:
-        args.config = write_config(args.out, args.host_tokens, args.storage)
+        args.config = write_config(args.out, args.host_tokens, args.storage, args.storage_layout)
     elif args.storage:
         ap.error("--storage needs --host-tokens (the generated config)")
     from .serving_verify import bench_home, write_prompts
@@ -400,7 +403,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs = [(rnd, b) for rnd in range(args.rounds) for b in backends]
     for rnd, name in tqdm(jobs, desc="bench sglang-serving", unit="server"):
         if args.host_tokens is not None:
-            write_config(args.out, args.host_tokens, args.storage)  # an empty storage tier per server
+            # an empty storage tier per server
+            write_config(args.out, args.host_tokens, args.storage, args.storage_layout)
         r = run_backend(name, model, args)
         r["round"] = rnd
         results.append(r)

@@ -8,6 +8,9 @@
   index) against a plain Python write/read of the same bytes, one file per page, same directory.
   `--beside-python N`: N alternating rounds of the same writes while another thread runs Python (as
   SGLang's scheduler thread does), with the compiled per-batch file calls and with their Python twin.
+  `--layouts files,slabs`: the storage tier's layouts side by side (alternating per repeat), first
+  with room, then full (each tier holds one repeat's pages, so every store evicts): write and read
+  GB/s, the writer's CPU per page, and slabs / files.
 * remote: RemoteTier.put_many / get_many_into against one tier server process, against a raw NIXL
   UCX WRITE / READ of the same bytes (same descriptor shape: one descriptor per page) from a
   bare agent to a bare target process. Both over loopback, both polled with 1 ms sleeps.
@@ -86,6 +89,54 @@ def _bench_storage(root: str, P: int, n: int, repeats: int) -> dict:
         return r
     finally:
         tier.close()
+
+
+def _bench_layouts(root: str, P: int, n: int, repeats: int, layouts, full: bool) -> dict:
+    """The storage tier's layouts side by side (tiers/storage_slabs.py): each repeat stores n new
+    pages into every layout in turn (the order alternating), then reads them back. `full`: each tier
+    holds exactly n pages, so from the second repeat on every store evicts (a full tier's steady
+    state). Medians of write and read GB/s and of the writing thread's CPU per page, per layout."""
+    from flexflow_sglang.tiers.storage import StorageTier
+    from flexflow_sglang.tiers.storage_slabs import SlabStorageTier
+    cls = {"files": StorageTier, "slabs": SlabStorageTier}
+    pages = np.random.default_rng(4).integers(0, 256, size=(n, P), dtype=np.uint8)
+    out = np.empty_like(pages)
+    cap = n * (P + 72) if full else n * (P + 72) * (repeats + 2)
+    tiers = {m: cls[m](os.path.join(root, f"layout-{m}-{'full' if full else 'room'}"), capacity_bytes=cap,
+                       fingerprint="bench") for m in layouts}
+    rec = {m: {"w": [], "cpu": [], "r": []} for m in layouts}
+    try:
+        for rep in range(repeats + 1):  # round 0 warms up (slab creation, agent, dentries)
+            keys = [os.urandom(32) for _ in range(n)]
+            for m in (layouts if rep % 2 == 0 else layouts[::-1]):
+                t, c = time.perf_counter(), time.thread_time()
+                stored = tiers[m].put_many(keys, pages)
+                dt, dc = time.perf_counter() - t, time.thread_time() - c
+                assert stored == n, f"{m} layout stored {stored}/{n}"
+                t = time.perf_counter()
+                got = tiers[m].get_many_into(keys, out)
+                dr = time.perf_counter() - t
+                assert got == n and np.array_equal(out, pages), f"{m} layout read back wrong bytes"
+                if rep:
+                    rec[m]["w"].append(dt)
+                    rec[m]["cpu"].append(dc)
+                    rec[m]["r"].append(dr)
+        tag = "full_" if full else ""
+        r = {}
+        for m in layouts:
+            r[f"layout_{tag}{m}_write_gbps"] = _median_gbps(n * P, rec[m]["w"])
+            r[f"layout_{tag}{m}_read_gbps"] = _median_gbps(n * P, rec[m]["r"])
+            r[f"layout_{tag}{m}_write_cpu_us_per_page"] = statistics.median(rec[m]["cpu"]) / n * 1e6
+            r[f"layout_{tag}{m}_evictions"] = tiers[m].stats()["evictions"]
+        if "files" in layouts and "slabs" in layouts:
+            r[f"layout_{tag}slabs_over_files_write"] = (r[f"layout_{tag}slabs_write_gbps"]
+                                                      / r[f"layout_{tag}files_write_gbps"])
+            r[f"layout_{tag}slabs_over_files_read"] = (r[f"layout_{tag}slabs_read_gbps"]
+                                                     / r[f"layout_{tag}files_read_gbps"])
+        return r
+    finally:
+        for t in tiers.values():
+            t.close()
 
 
 def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dict:
@@ -324,9 +375,10 @@ def _hicache_section(res: dict, backends, P: int, n: int, repeats: int) -> None:
 
 def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage_dir: Optional[str] = None,
         storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0, hicache=(),
-        beside_python: int = 0) -> dict:
+        beside_python: int = 0, layouts=()) -> dict:
     """Returns throughputs (GB/s, 1e9) and tier/baseline ratios; keys are listed in the module doc.
-    beside_python: that many alternating rounds of storage writes beside a thread running Python."""
+    beside_python: that many alternating rounds of storage writes beside a thread running Python.
+    layouts: storage layouts (files, slabs) measured side by side, with room and full."""
     res = dict(page_nbytes=page_nbytes, n_pages=n_pages, repeats=repeats, bytes=page_nbytes * n_pages,
                ucx_tls=os.environ.get("UCX_TLS", "(default)"), nixl=load_nixl()[0] is not None)
     probe = np.random.default_rng(3).integers(0, 256, size=(n_pages, page_nbytes), dtype=np.uint8)
@@ -342,6 +394,9 @@ def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage
             res.update(_bench_storage(root, page_nbytes, n_pages, repeats))
             if beside_python:
                 res.update(_bench_storage_beside_python(root, page_nbytes, n_pages, beside_python))
+            if layouts:
+                for full in (False, True):
+                    res.update(_bench_layouts(root, page_nbytes, n_pages, repeats, list(layouts), full))
     if remote:
         if res["nixl"]:
             res.update(_bench_remote(page_nbytes, n_pages, repeats, timeout_ms))
@@ -365,13 +420,17 @@ def main(argv=None) -> int:
     ap.add_argument("--beside-python", type=int, default=0, metavar="ROUNDS",
                     help="also time storage writes beside a thread running Python (the GIL contention of "
                          "SGLang's scheduler thread), compiled per-batch file calls vs their Python twin")
+    ap.add_argument("--layouts", default="",
+                    help="storage tier layouts to compare side by side, e.g. 'files,slabs' (each with room, "
+                         "then full so that every store evicts)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--raw-target", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.raw_target is not None:
         return _raw_target(a.raw_target)
     r = run(a.page_kib * 1024, a.pages, a.repeats, a.dir, not a.no_storage, not a.no_remote,
-            hicache=[b for b in a.hicache.split(",") if b], beside_python=a.beside_python)
+            hicache=[b for b in a.hicache.split(",") if b], beside_python=a.beside_python,
+            layouts=[m for m in a.layouts.split(",") if m])
     if a.json:
         print(json.dumps(r, indent=2))
     else:

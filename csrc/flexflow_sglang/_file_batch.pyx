@@ -133,7 +133,7 @@ def read_pages(int64_t[::1] fds, int64_t n, uint64_t hdr_ptr, int64_t hdr_len, u
 # six system calls per file. Made from Python, each one re-acquires the GIL afterwards, and while
 # SGLang's scheduler thread runs Python that waits up to the switch interval (5 ms) every time: 1,024
 # pages of 128 KiB beside a thread running Python took 20.2 s that way, 0.91 s here (`flexflow bench
-# tiers --beside-python 3`, docs/results.md). Here a batch releases the GIL once to create and once to
+# tiers --beside-python 3`, docs/results-data-plane.md). Here a batch releases the GIL once to create and once to
 # publish.
 
 cdef extern from "<fcntl.h>" nogil:

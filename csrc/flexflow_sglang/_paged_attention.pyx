@@ -6,7 +6,7 @@ Why: SGLang's CPU backends (torch_native) gather every request's keys and values
 (`k_cache[tokens]`) on every layer of every step, then run SDPA over the copies: the KV is read
 twice and written once. On the kv128k preset (128 KB of KV per token) a decode step of 2 requests
 x 1,300 tokens took 144.7 ms of attention that way, 27.8 ms here (2 threads;
-`python benchmarks/paged_decode.py` at 1737bed, docs/results.md). GPU backends
+`python benchmarks/paged_decode.py` at 1737bed, docs/results-data-plane.md). GPU backends
 (FlashInfer's paged decode and prefill) read the pages in place; so does this kernel: one read of
 each key row and each value row per block of query rows, nothing written but the output. A prefix
 hit's extend with a short suffix is the same shape as a decode with several query rows, so it runs

@@ -22,7 +22,7 @@ query rows), read the paged KV in place (csrc/flexflow_sglang/_paged_attention.p
 backends' paged kernels do: torch_native gathers every request's keys and values into new tensors on every
 layer of every step (`k_cache[tokens]`) and runs SDPA over the copies: on the kv128k preset a
 2-request x 1,300-token step's attention took 144.7 ms that way and 27.8 ms in place (2 threads;
-`python benchmarks/paged_decode.py` at 1737bed, docs/results.md). The kernel
+`python benchmarks/paged_decode.py` at 1737bed, docs/results-data-plane.md). The kernel
 reads each key and value row once, in float32 (bfloat16 widened on load), and its bytes do not
 depend on the thread count. It differs from torch_native's SDPA in the last bits (both are float32
 softmax attention; tests/backend/test_prefix_sdpa.py bounds the difference); float16 KV, head dims
@@ -50,7 +50,7 @@ BACKEND_NAME = "flexflow_sdpa"
 
 # An extend of at most this many query rows (new tokens x query heads per kv head) after a cached
 # prefix runs in the compiled kernel; a longer one through SDPA, whose GEMMs win there
-# (float32, 8 x 128 heads, 2 threads, `python benchmarks/paged_extend.py`: docs/results.md). The
+# (float32, 8 x 128 heads, 2 threads, `python benchmarks/paged_extend.py`: docs/results-data-plane.md). The
 # choice depends only on the request's own shape, so a host hit and a device hit of the same
 # prefix take the same path.
 EXTEND_KERNEL_MAX_ROWS = 128

@@ -34,14 +34,16 @@ def _offloaded(stdout, round_name):
     return host, storage
 
 
-def test_storage_tier_survives_restart(plain_baseline, tiny_model, start_server, tmp_path):
+@pytest.mark.parametrize("layout", ["files", "slabs"])
+def test_storage_tier_survives_restart(plain_baseline, tiny_model, start_server, tmp_path, layout):
     _need_nixl()
     kv_dir = tmp_path / "kv"
     # wait_complete: the fresh server holds each request until its prefetch from storage ended. The
     # default (timeout: 1 s + 0.25 s per 1k tokens) admits it without the pages when the fetch is
     # slower, which on a loaded 2-core machine with one file per 1-token page it often is; this test
     # is about what survives a restart, not about how long a fetch may take.
-    cfg = write_config(tmp_path, "storage", storage_tier={"enabled": True, "path": str(kv_dir), "capacity_gb": 0.5},
+    cfg = write_config(tmp_path, "storage", storage_tier={"enabled": True, "path": str(kv_dir), "capacity_gb": 0.5,
+                                                         "layout": layout},
                        transfer={"prefetch_policy": "wait_complete"})
     a = start_server(tiny_model, name="storage-a", radix_cache_backend="flexflow", flexflow_config=cfg,
                      max_total_tokens=MAX_TOTAL_TOKENS, extra_args=["--enable-metrics"])
@@ -61,7 +63,8 @@ def test_storage_tier_survives_restart(plain_baseline, tiny_model, start_server,
     files = [p for d in subdirs for p in d.rglob("*") if p.is_file() and not p.name.startswith(".")]
     assert files, "nothing was written to the storage tier"
     assert all(stat.S_IMODE(f.stat().st_mode) & 0o077 == 0 for f in files)
-    assert all(re.fullmatch(r"[0-9a-f.]+[A-Za-z.]*", f.name) for f in files)
+    assert all(re.fullmatch(r"[0-9a-f.]+[A-Za-z.]*" if layout == "files" else r"slab-\d{4,9}\.kvs", f.name)
+               for f in files), [f.name for f in files]
 
     b = start_server(tiny_model, name="storage-b", radix_cache_backend="flexflow", flexflow_config=cfg,
                      max_total_tokens=MAX_TOTAL_TOKENS, extra_args=["--enable-metrics"])

@@ -80,7 +80,7 @@ class StorageTierConfig:
     write_through: bool = True  # copy every stored page here too (else only host-tier evictions)
     read_only: bool = False  # serve the pages already there, write nothing (read-only media, shared copies)
     fsync: bool = False  # fsync each page before it counts as stored (survives power loss; slower)
-    layout: str = "files"  # files: one file per page | slabs: slots of a few preallocated files
+    layout: str = "slabs"  # slabs: page slots in a few preallocated files | files: one file per page
 
 
 @dataclass(frozen=True)

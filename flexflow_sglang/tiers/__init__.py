@@ -31,7 +31,7 @@ __all__ = ["KVTier", "StorageTier", "SlabStorageTier", "StorageTierError", "Remo
 def storage_from_config(cfg, fingerprint: str, node: str = "nvme0", page_nbytes=None) -> StorageTier:
     """StorageTier from a config.StorageTierConfig (path, capacity_gb, backend, eviction, read_only, fsync,
     layout: `files` -> StorageTier, `slabs` -> SlabStorageTier)."""
-    cls = SlabStorageTier if getattr(cfg, "layout", "files") == "slabs" else StorageTier
+    cls = StorageTier if getattr(cfg, "layout", "slabs") == "files" else SlabStorageTier
     return cls(cfg.path, capacity_gb=cfg.capacity_gb, backend=cfg.backend, eviction=cfg.eviction,
                fingerprint=fingerprint, page_nbytes=page_nbytes, node=node,
                read_only=getattr(cfg, "read_only", False), fsync=getattr(cfg, "fsync", False))

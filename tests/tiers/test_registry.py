@@ -308,7 +308,7 @@ def test_deep_tiers_in_config_order(tmp_path, monkeypatch):
                         {"name": "dup", "factory": f"{mod}:make_tier", "options": {"label": "memory"}}]})
     try:
         assert [t.name for t in c.tiers] == ["storage", "remote", "memory"]  # "dup" reuses a name: left out
-        assert [type(t).__name__ for t in c.tiers] == ["StorageTier", "RemoteTier", "InMemoryTier"]
+        assert [type(t).__name__ for t in c.tiers] == ["SlabStorageTier", "RemoteTier", "InMemoryTier"]  # the default layout
         assert c.tiers[0].write_through and c.tiers[1].write_through and c.tiers[2].write_through
         assert c.tiers[1].routes_itself  # the connector routed the remote tier, as before
     finally:

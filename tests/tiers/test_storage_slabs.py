@@ -376,16 +376,16 @@ def test_peek_page_nbytes_reads_the_superblock(make):
 def test_the_config_key_selects_the_layout(tmp_path):
     from flexflow_sglang.config import ConfigError, config_from_dict
     from flexflow_sglang.tiers import storage_from_config
-    cfg = config_from_dict({"storage_tier": {"enabled": True, "path": str(tmp_path / "s"), "layout": "slabs"}}, "<t>")
+    cfg = config_from_dict({"storage_tier": {"enabled": True, "path": str(tmp_path / "s")}}, "<t>")
     t = storage_from_config(cfg.storage_tier, fingerprint="fp")
     try:
-        assert isinstance(t, SlabStorageTier) and t.stats()["layout"] == "slabs"
+        assert isinstance(t, SlabStorageTier) and t.stats()["layout"] == "slabs"  # the default
     finally:
         t.close()
-    cfg = config_from_dict({"storage_tier": {"path": str(tmp_path / "f")}}, "<t>")
+    cfg = config_from_dict({"storage_tier": {"path": str(tmp_path / "f"), "layout": "files"}}, "<t>")
     t = storage_from_config(cfg.storage_tier, fingerprint="fp")
     try:
-        assert type(t) is StorageTier  # files stays the default
+        assert type(t) is StorageTier
     finally:
         t.close()
     with pytest.raises(ConfigError, match="storage_tier.layout"):

@@ -240,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="device KV pool of every server")
     ap.add_argument("--host-tokens", type=int, default=4096, help="host tier of the flexflow server (tokens)")
     ap.add_argument("--storage", action="store_true", help="a storage tier under --out catches host-tier spills")
-    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="files",
+    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
                     help="storage_tier.layout of that storage tier")
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG instead of --host-tokens/--storage")
     ap.add_argument("--page-size", type=int, default=None)

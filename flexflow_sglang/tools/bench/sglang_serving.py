@@ -69,7 +69,7 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
 BACKENDS = ("baseline", "flexflow", "flexflow-shared")
 
 
-def write_config(out: str, host_tokens: int, storage: bool, storage_layout: str = "files") -> str:
+def write_config(out: str, host_tokens: int, storage: bool, storage_layout: str = "slabs") -> str:
     """A FLEXFLOW_CONFIG for this run: a host tier of `host_tokens` tokens (smaller than the working
     set makes pages spill), and with `storage` a storage tier under `out` (`storage_tier.layout`:
     `storage_layout`) that catches the spills."""
@@ -357,7 +357,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=None,
                     help="write a config with a host tier of this many tokens (instead of --config)")
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
-    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="files",
+    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
                     help="storage_tier.layout of that storage tier")
     ap.add_argument("--page-size", type=int, default=None,
                     help="SGLang --page-size of every server (default: SGLang's, 1); the tiers' pages follow it")

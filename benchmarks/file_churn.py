@@ -65,13 +65,23 @@ def _slot_writes(path: str, n: int, page: bytes) -> float:
 
 
 def _journal(path: str) -> str:
-    """The file system type of `path` and, for ext4, whether it has a journal (best effort)."""
+    """The file system under `path` (type, mount options) and, for ext4, whether it keeps a journal
+    (a jbd2 entry in /proc): without one, ext4's inode allocator skips recently freed inodes one by
+    one (best effort; "unknown" where findmnt is missing)."""
     try:
-        out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,OPTIONS", "--target", path], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
+        out = subprocess.run(["findmnt", "-n", "-o", "SOURCE,FSTYPE,OPTIONS", "--target", path], capture_output=True,
+                             text=True, timeout=10).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out or "unknown"
+    if len(out) < 3:
+        return "unknown"
+    src, fstype, opts = out[0], out[1], out[2]
+    desc = f"{fstype} ({src}, {opts})"
+    if fstype == "ext4" and os.path.isdir("/proc/fs/jbd2"):
+        dev = os.path.basename(src)
+        journal = any(e.startswith(dev + "-") for e in os.listdir("/proc/fs/jbd2"))
+        desc += ", journal" if journal else ", no journal"
+    return desc
 
 
 def main(argv=None) -> int:

@@ -444,6 +444,17 @@ def wait_xfers(agent, handles: Sequence, deadline: Optional[float], poll_s: floa
         first = False
 
 
+def release_nixl(agent, handle, *regs) -> None:
+    """Release a finished transfer's handle and its registrations (None entries skipped); a failure
+    here only leaks, so it is logged and never raised."""
+    for obj, fn in ((handle, agent.release_xfer_handle), *((r, agent.deregister_memory) for r in regs)):
+        if obj is not None:
+            try:
+                fn(obj)
+            except Exception as e:  # pragma: no cover  (NIXL errors share no base)
+                log.debug("NIXL cleanup: %r", e)
+
+
 def post_xfer(agent, handle) -> str:
     try:
         return agent.transfer(handle)

@@ -45,7 +45,7 @@ import numpy as np
 
 from ..errors import FlexFlowError
 from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent, page_checksum,
-                   page_digests, payload_checksums, post_xfer, unique_agent_name, wait_xfers)
+                   page_digests, payload_checksums, post_xfer, release_nixl, unique_agent_name, wait_xfers)
 from .storage_files import (CREATE_OPEN, HDR, MAGIC, _NAME_RE, _open_regular, build_header,  # noqa: F401 (re-exported)
                             create_files, parse_header, publish_files, write_pages)
 
@@ -403,12 +403,7 @@ class StorageTier(KVTier):
             log.debug("storage tier NIXL %s failed: %r", op, e)
             return False
         finally:
-            for obj, fn in ((h, a.release_xfer_handle), (fregs, a.deregister_memory), (dreg, a.deregister_memory)):
-                if obj is not None:
-                    try:
-                        fn(obj)
-                    except Exception as e:  # pragma: no cover  (cleanup of a finished call: only leaks)
-                        log.debug("storage tier NIXL cleanup: %r", e)
+            release_nixl(a, h, fregs, dreg)
 
     def _nixl_failed(self, what: str) -> None:
         self._c["nixl_fallbacks"] += 1
@@ -534,8 +529,7 @@ class StorageTier(KVTier):
         with self._lock:
             if self._closed:
                 return 0
-            if self.page_nbytes is not None and P != self.page_nbytes:
-                raise ValueError(f"storage tier page_nbytes is {self.page_nbytes}, got pages of {P}")
+            self._check_page_size(P)
             names = [self._name(k) for k in keys]
             if self.read_only:
                 n = 0
@@ -560,9 +554,15 @@ class StorageTier(KVTier):
                 n += 1
             return n
 
-    def _claim(self, names: List[str], size: int, idx, seen: set) -> List[int]:
-        """Under the lock: the pages at `idx` to write (absent, not being written by another put),
-        room made and reserved for them, their names marked as being written."""
+    def _check_page_size(self, P: int) -> None:
+        """put_many's pages are P bytes each: a ValueError when this tier's pages are another size."""
+        if self.page_nbytes is not None and P != self.page_nbytes:
+            raise ValueError(f"storage tier page_nbytes is {self.page_nbytes}, got pages of {P}")
+
+    def _todo(self, names: List[str], idx, seen: set) -> List[int]:
+        """Under the lock: the pages at `idx` a put must write (absent, not being written by another
+        put, not earlier in this one; the ones held are refreshed in the LRU). None while writes are
+        off after a full disk (counted as skipped)."""
         todo: List[int] = []
         for i in idx:
             nm = names[i]
@@ -574,6 +574,12 @@ class StorageTier(KVTier):
         if todo and time.monotonic() < self._degraded_until:
             self._c["writes_skipped"] += len(todo)
             return []
+        return todo
+
+    def _claim(self, names: List[str], size: int, idx, seen: set) -> List[int]:
+        """Under the lock: the pages at `idx` to write (_todo), room made and reserved for them,
+        their names marked as being written."""
+        todo = self._todo(names, idx, seen)
         if todo:
             protect = set(names)
             fit = max(0, self.capacity_bytes // size)

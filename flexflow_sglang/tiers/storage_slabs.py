@@ -40,8 +40,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import storage as _storage
-from .base import as_pages, check_keys, page_digests, payload_checksums
-from .storage import WRITE_CHUNK_BYTES, StorageTier
+from .base import page_digests, payload_checksums, release_nixl
+from .storage import StorageTier
 from .storage_files import HDR, MAGIC, _open_regular, build_header, parse_header
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
@@ -55,6 +55,8 @@ STAMP = 8
 #: a slab holds this many bytes of payload at most (fewer when the capacity is smaller): one file
 #: creation per 2,048 pages of 128 KiB, and a fallocate short enough to run under the tier's lock
 SLAB_BYTES = 256 << 20
+#: and at most this many slots (small pages): the slot table a start-up reads per slab stays ~1 MiB
+MAX_SLOTS_PER_SLAB = 16384
 _SLAB_RE = re.compile(r"^slab-(\d{4,9})\.kvs$")
 _NID = slice(36, 52)  # the header's name id (storage_files.HEADER: 4s H H I Q 16s [16s] 8s I)
 
@@ -285,7 +287,7 @@ class SlabStorageTier(StorageTier):
         room, then the LRU pages' slots (never one of `protect`)."""
         got: List[Tuple[int, int]] = []
         limit = self._slot_limit()
-        per_slab = max(1, self._slab_bytes // self._P)
+        per_slab = max(1, min(MAX_SLOTS_PER_SLAB, self._slab_bytes // self._P))
         allocated = sum(s.slots for s in self._slabs.values())
         in_use = len(self._index) + len(self._writing)
         while len(got) < n and in_use + len(got) < limit:
@@ -385,12 +387,7 @@ class SlabStorageTier(StorageTier):
             log.debug("storage tier NIXL %s failed: %r", op, e)
             return False
         finally:
-            for obj, fn in ((h, a.release_xfer_handle), (fregs, a.deregister_memory), (dreg, a.deregister_memory)):
-                if obj is not None:
-                    try:
-                        fn(obj)
-                    except Exception as e:  # pragma: no cover  (cleanup of a finished call: only leaks)
-                        log.debug("storage tier NIXL cleanup: %r", e)
+            release_nixl(a, h, fregs, dreg)
 
     def _move_pages(self, write: bool, locs: List[Tuple[int, int]], data: np.ndarray,
                     extra: List[Tuple[int, int, int, int]]) -> Optional[OSError]:
@@ -413,56 +410,16 @@ class SlabStorageTier(StorageTier):
         return self._io(write, ops + extra if write else ops)
 
     # ------------------------------------------------------------------ protocol
-    def put_many(self, keys: List[bytes], pages) -> int:
-        """As StorageTier.put_many: stores the pages it does not hold yet, chunk by chunk (slots
-        claimed under the lock, written without it, published under it); returns the leading keys
-        held after the call."""
-        keys = check_keys(keys)
-        if not keys:
-            return 0
-        pages = as_pages(pages, len(keys))
-        P = pages.shape[1]
-        with self._lock:
-            if self._closed:
-                return 0
-            want = self.page_nbytes or self._P
-            if want is not None and P != want:
-                raise ValueError(f"storage tier page_nbytes is {want}, got pages of {P}")
-            names = [self._name(k) for k in keys]
-            if self.read_only:
-                n = 0
-                while n < len(names) and names[n] in self._index:
-                    n += 1
-                self._c["read_only_skipped"] += sum(1 for nm in names if nm not in self._index)
-                return n
-            self._P = P
-        seen: set = set()
-        step = max(1, WRITE_CHUNK_BYTES // P)
-        for start in range(0, len(names), step):
-            with self._lock:
-                if self._closed:
-                    return 0
-                todo = self._claim_slots(names, range(start, min(len(names), start + step)), seen)
-            if todo:
-                self._write_slots(todo, names, pages)
-        with self._lock:
-            n = 0
-            while n < len(names) and names[n] in self._index:
-                n += 1
-            return n
+    # put_many is StorageTier's: chunk by chunk, _claim (slots) under the lock, _write without it
+    def _check_page_size(self, P: int) -> None:
+        want = self.page_nbytes or self._P
+        if want is not None and P != want:
+            raise ValueError(f"storage tier page_nbytes is {want}, got pages of {P}")
+        self._P = P  # the slot size: fixed by the slabs found, else by the first put
 
-    def _claim_slots(self, names: List[str], idx, seen: set) -> List[int]:
-        todo: List[int] = []
-        for i in idx:
-            nm = names[i]
-            if nm in self._index:
-                self._index.move_to_end(nm)
-            elif nm not in seen and nm not in self._writing:
-                seen.add(nm)
-                todo.append(i)
-        if todo and time.monotonic() < self._degraded_until:
-            self._c["writes_skipped"] += len(todo)
-            return []
+    def _claim(self, names: List[str], size: int, idx, seen: set) -> List[int]:
+        """Under the lock: the pages at `idx` to write (_todo), each given a slot (_take_slots)."""
+        todo = self._todo(names, idx, seen)
         if not todo:
             return []
         slots = self._take_slots(len(todo), set(names))
@@ -474,7 +431,8 @@ class SlabStorageTier(StorageTier):
         self._used += len(todo) * size
         return todo
 
-    def _write_slots(self, todo: List[int], names: List[str], pages: np.ndarray) -> None:
+    def _write(self, todo: List[int], names: List[str], pages: np.ndarray, size: int) -> None:
+        """Write the claimed pages into their slots, then publish them (or give the slots back)."""
         t0 = time.perf_counter()
         claimed = [names[i] for i in todo]
         P = pages.shape[1]

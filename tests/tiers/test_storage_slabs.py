@@ -21,7 +21,7 @@ from flexflow_sglang.tiers.storage import StorageTier, StorageTierError
 from flexflow_sglang.tiers.storage_files import HDR
 from flexflow_sglang.tiers.storage_slabs import SB, STAMP, SlabStorageTier
 
-from tier_helpers import requires_nixl
+from tier_helpers import STORAGE_BACKENDS, use_storage_backend
 
 P = 4096 + 96  # not a multiple of 4 KiB: payload offsets must not assume alignment
 SLOT = HDR + STAMP + P
@@ -35,14 +35,9 @@ def pages_for(n, seed=0, p=P):
     return np.random.default_rng(seed).integers(0, 256, size=(n, p), dtype=np.uint8)
 
 
-@pytest.fixture(params=[pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl]), "os",
-                        pytest.param("nixl-python", marks=[pytest.mark.nixl, requires_nixl]), "os-python"])
+@pytest.fixture(params=STORAGE_BACKENDS)
 def backend(request, monkeypatch):
-    if request.param.startswith("os"):
-        monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
-    if request.param.endswith("-python"):
-        monkeypatch.setattr(storage_mod, "_fb", None)
-    return request.param.split("-")[0]
+    return use_storage_backend(request.param, monkeypatch)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from flexflow_sglang.tiers import storage as storage_mod
 from flexflow_sglang.tiers.base import KVTier, page_checksum
 from flexflow_sglang.tiers.storage import HDR, StorageTier, StorageTierError
 
-from tier_helpers import NIXL_WHY, requires_nixl
+from tier_helpers import NIXL_WHY, STORAGE_BACKENDS, requires_nixl, use_storage_backend
 
 P = 4096 + 123  # an odd page size: nothing may assume alignment
 
@@ -34,16 +34,11 @@ def pages_for(n, seed=0, p=P):
     return np.random.default_rng(seed).integers(0, 256, size=(n, p), dtype=np.uint8)
 
 
-@pytest.fixture(params=[pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl]), "os",
-                        pytest.param("nixl-python", marks=[pytest.mark.nixl, requires_nixl]), "os-python"])
+@pytest.fixture(params=STORAGE_BACKENDS)
 def backend(request, monkeypatch):
     """nixl / os: the data path; -python: the per-file system calls made from Python (the twin of the
     compiled _file_batch helpers, used when the extension is not built): same checks, same outcome."""
-    if request.param.startswith("os"):
-        monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
-    if request.param.endswith("-python"):
-        monkeypatch.setattr(storage_mod, "_fb", None)
-    return request.param.split("-")[0]
+    return use_storage_backend(request.param, monkeypatch)
 
 
 @pytest.fixture

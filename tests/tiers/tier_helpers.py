@@ -69,3 +69,19 @@ def tier_env(extra=None) -> dict:
            "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.update(extra or {})
     return env
+
+
+# the storage tier's data paths: NIXL POSIX (marked nixl) and the os backend, each with the compiled
+# per-batch file calls (_file_batch) and with their Python twin (-python)
+STORAGE_BACKENDS = [pytest.param("nixl", marks=[pytest.mark.nixl, requires_nixl]), "os",
+                    pytest.param("nixl-python", marks=[pytest.mark.nixl, requires_nixl]), "os-python"]
+
+
+def use_storage_backend(param: str, monkeypatch) -> str:
+    """Make the storage tiers a test creates use `param`'s data path; returns "nixl" or "os"."""
+    from flexflow_sglang.tiers import storage as storage_mod
+    if param.startswith("os"):
+        monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
+    if param.endswith("-python"):
+        monkeypatch.setattr(storage_mod, "_fb", None)
+    return param.split("-")[0]

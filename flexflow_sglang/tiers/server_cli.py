@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--storage-capacity-gb", type=_num(0, 1 << 20), default=10.0)
     ap.add_argument("--storage-read-only", action="store_true", help="serve the storage tier's pages, write none")
     ap.add_argument("--storage-fsync", action="store_true", help="fsync each stored page (survives power loss)")
+    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="files",
+                    help="that storage tier's layout: one file per page, or slots in preallocated slab files")
     ap.add_argument("--lease-ttl-s", type=_num(0, 3600), default=30.0)
     ap.add_argument("--idle-timeout-s", type=_num(0, 86400), default=60.0,
                     help="close a connection that sends no frame for this long (default 60)")
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
                          a.verify_puts, a.node, max_conns=a.max_conns, relay=not a.no_relay,
                          relay_peers=relay_peers, relay_retry_after_s=a.relay_retry_after_s,
                          idle_timeout_s=a.idle_timeout_s, frame_timeout_s=a.frame_timeout_s, secret=secret,
-                         storage_read_only=a.storage_read_only, storage_fsync=a.storage_fsync)
+                         storage_read_only=a.storage_read_only, storage_fsync=a.storage_fsync,
+                         storage_layout=a.storage_layout)
     except (FlexFlowError, ValueError) as e:
         return fail(str(e))
     except OSError as e:  # bind (address in use, not ours), mmap (no memory)

@@ -96,7 +96,7 @@ class TierServer(RelayMixin):
                  max_blob: int = MAX_BLOB, relay: bool = True, relay_peers: Optional[Dict[str, str]] = None,
                  relay_retry_after_s: float = 10.0, idle_timeout_s: float = 60.0,
                  frame_timeout_s: float = 10.0, secret: Optional[bytes] = None,
-                 storage_read_only: bool = False, storage_fsync: bool = False):
+                 storage_read_only: bool = False, storage_fsync: bool = False, storage_layout: str = "files"):
         host, port = parse_hostport(listen)
         self.capacity = int(capacity_bytes)
         if self.capacity <= 0:
@@ -114,6 +114,9 @@ class TierServer(RelayMixin):
         self.storage_capacity_gb = storage_capacity_gb
         self.storage_read_only = storage_read_only
         self.storage_fsync = storage_fsync
+        if storage_layout not in ("files", "slabs"):
+            raise ValueError(f"tier server storage layout must be files|slabs, got {storage_layout!r}")
+        self.storage_layout = storage_layout
         self.storage = None
         self.relay = bool(relay) and not secret  # a relay would need the secret-mode client path too
         if relay and secret:
@@ -151,11 +154,16 @@ class TierServer(RelayMixin):
         self.sock.listen(128)
         self.address = f"{'[' + host + ']' if ':' in host else host}:{self.sock.getsockname()[1]}"
         if not page_nbytes and storage_path:  # restarted with pages on disk: serve them at once
-            from .storage import StorageTier
-            pn = StorageTier.peek_page_nbytes(storage_path)
+            pn = self._storage_class().peek_page_nbytes(storage_path)
             page_nbytes = (pn - MAC_LEN if self.pagemac else pn) if pn else None
         if page_nbytes:
             self._setup_slots(int(page_nbytes))
+
+    def _storage_class(self):
+        """The storage tier class of `storage_layout` (files: one file per page; slabs: slots)."""
+        from .storage import StorageTier
+        from .storage_slabs import SlabStorageTier
+        return SlabStorageTier if self.storage_layout == "slabs" else StorageTier
 
     # ------------------------------------------------------------------ slots
     @property
@@ -179,9 +187,9 @@ class TierServer(RelayMixin):
         self.doomed: Set[int] = set()
         self.reserved: Dict[bytes, int] = {}
         if self.storage_path:
-            from .storage import StorageTier, StorageTierError
+            from .storage import StorageTierError
             try:
-                self.storage = StorageTier(self.storage_path, capacity_gb=self.storage_capacity_gb,
+                self.storage = self._storage_class()(self.storage_path, capacity_gb=self.storage_capacity_gb,
                                            fingerprint="flexflow-tier-server", node=self.node,
                                            page_nbytes=P + MAC_LEN if self.pagemac else P,
                                            read_only=self.storage_read_only, fsync=self.storage_fsync)

@@ -229,21 +229,24 @@ def test_one_of_two_peers_down_reroutes(spawn_server, clients):
     assert all(t.node_for(k_) == s2.addr for k_ in ks)
 
 
-def test_server_storage_survives_restart(spawn_server, clients, tmp_path):
+@pytest.mark.parametrize("layout", ["files", "slabs"])
+def test_server_storage_survives_restart(spawn_server, clients, tmp_path, layout):
     sp = tmp_path / "srv-store"
-    srv = spawn_server(storage_path=sp)
+    srv = spawn_server(storage_path=sp, extra=("--storage-layout", layout))
     t = clients([srv.addr], retry_after_s=0.2)
     ks, pg = keys_for(8), pages_for(8)
     assert t.put_many(ks, pg) == 8
     assert t.server_stats(srv.addr)["storage"]["pages"] == 8  # written through
     srv.proc.terminate()
     srv.proc.wait(timeout=10)
-    srv2 = spawn_server(storage_path=sp, listen=srv.addr)  # page size learnt from the files
+    srv2 = spawn_server(storage_path=sp, listen=srv.addr, extra=("--storage-layout", layout))  # page size from disk
     t2 = clients([srv2.addr])
     assert t2.contains_prefix(ks) == 8  # a fresh client's first call is a lookup
     out = np.zeros_like(pg)
     assert t2.get_many_into(ks, out) == 8 and np.array_equal(out, pg)
     assert t2.server_stats(srv2.addr)["promoted"] == 8
+    kinds = {f.rsplit(".", 1)[-1] for f in os.listdir(sp) if not f.startswith(".")}
+    assert kinds == ({"kv"} if layout == "files" else {"kvs"}), kinds
 
 
 def test_corrupt_remote_page_is_dropped(spawn_server, clients, monkeypatch):

@@ -44,10 +44,10 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..errors import FlexFlowError
-from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent, page_checksum,
+from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent,
                    page_digests, payload_checksums, post_xfer, release_nixl, unique_agent_name, wait_xfers)
 from .storage_files import (CREATE_OPEN, HDR, MAGIC, _NAME_RE, _open_regular, build_header,  # noqa: F401 (re-exported)
-                            create_files, parse_header, publish_files, write_pages)
+                            create_files, first_headers, parse_header, publish_files, write_pages)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -106,23 +106,10 @@ class StorageTier(KVTier):
     def peek_page_nbytes(path: str) -> Optional[int]:
         """page_nbytes of the first well-formed page file in `path` (None if there is none).
         Lets a restarted tier server size its slots before any client has said hello."""
-        try:
-            names = [n for n in os.listdir(path) if _NAME_RE.match(n)]
-        except OSError:
-            return None
-        for nm in names[:16]:
-            fd, _ = _open_regular(os.path.join(path, nm))
-            if fd is None:
-                continue
-            try:
-                raw = os.pread(fd, HDR, 0)
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            if len(raw) == HDR and raw[:4] == MAGIC and page_checksum(raw[:60]) == struct.unpack_from("<I", raw, 60)[0]:
-                pn = struct.unpack_from("<Q", raw, 12)[0]
-                if size == HDR + pn:
-                    return pn
+        for raw, size in first_headers(path, _NAME_RE, MAGIC):
+            pn = struct.unpack_from("<Q", raw, 12)[0]
+            if size == HDR + pn:
+                return pn
         return None
 
     def __init__(self, path: str, capacity_gb: float = 10.0, backend: str = "auto",
@@ -312,13 +299,8 @@ class StorageTier(KVTier):
             return why
         try:
             st = os.fstat(fd)
-            if st.st_mode & 0o077:
-                if self.read_only:
-                    self._odd(nm, f"mode {st.st_mode & 0o777:o} is readable by others; refused in read-only mode")
-                    return "odd"
-                os.fchmod(fd, 0o600)
-                self._c["modes_tightened"] += 1
-                log.warning("storage tier %s: %s had mode %o; set to 0600", self.path, nm, st.st_mode & 0o777)
+            if not self._owner_only(fd, nm, st.st_mode):
+                return "odd"
             raw = os.pread(fd, HDR, 0)
             _, reason = parse_header(raw, self._fp, bytes.fromhex(nm[:32]), self.page_nbytes)
             if reason:
@@ -329,6 +311,19 @@ class StorageTier(KVTier):
             return ""
         finally:
             os.close(fd)
+
+    def _owner_only(self, fd: int, nm: str, mode: int) -> bool:
+        """An entry with group/other permission bits is set to 0600 (logged, counted); in read-only
+        mode it is refused instead (False, skipped as odd)."""
+        if not mode & 0o077:
+            return True
+        if self.read_only:
+            self._odd(nm, f"mode {mode & 0o777:o} is readable by others; refused in read-only mode")
+            return False
+        os.fchmod(fd, 0o600)
+        self._c["modes_tightened"] += 1
+        log.warning("storage tier %s: %s had mode %o; set to 0600", self.path, nm, mode & 0o777)
+        return True
 
     # ------------------------------------------------------------------ helpers
     def _name(self, key: bytes) -> str:
@@ -492,26 +487,36 @@ class StorageTier(KVTier):
                         except OSError as e:
                             log.debug("storage tier pread: %s", e)
                             hdr[i, :4] = 0  # fails validation below
-            heads = [parse_header(hdr[i], self._fp, bytes.fromhex(names[i][:32]), P) for i in range(n)]
-            sums = payload_checksums(out, [h[0][0] if h[0] else 0 for h in heads])
-            k = 0
-            for i in range(n):
-                want, reason = heads[i]
-                if reason or want[1] != sums[i]:
-                    log.info("storage tier: dropping %s (%s)", names[i], reason or "payload checksum")
-                    self._drop(names[i], corrupt=True)
-                    break
-                k += 1
-            for i in range(k):
-                self._index.move_to_end(names[i])
+            k = self._verified_run(names, hdr, out, n, P)
             stamped = k
         finally:
             self._stamp_and_close(fds, stamped)
+        self._count_read(t0, k, len(keys), P)
+        return k
+
+    def _verified_run(self, names: List[str], hdr: np.ndarray, out: np.ndarray, n: int, P: int) -> int:
+        """Under the lock, after a read of pages `names[:n]` (headers in `hdr`, payloads in `out`):
+        how many leading pages pass their header and payload checks. The first that fails is
+        dropped (corrupt) and ends the run; the ones that pass become the most recently used."""
+        heads = [parse_header(hdr[i], self._fp, bytes.fromhex(names[i][:32]), P) for i in range(n)]
+        sums = payload_checksums(out, [h[0][0] if h[0] else 0 for h in heads])
+        k = 0
+        for i in range(n):
+            want, reason = heads[i]
+            if reason or want[1] != sums[i]:
+                log.info("storage tier: dropping %s (%s)", names[i], reason or "payload checksum")
+                self._drop(names[i], corrupt=True)
+                break
+            k += 1
+        for i in range(k):
+            self._index.move_to_end(names[i])
+        return k
+
+    def _count_read(self, t0: float, k: int, n_keys: int, P: int) -> None:
         self._c["read_s"] += time.perf_counter() - t0
         self._c["hits"] += k
-        self._c["misses"] += len(keys) - k
+        self._c["misses"] += n_keys - k
         self._c["bytes_read"] += k * P
-        return k
 
     def put_many(self, keys: List[bytes], pages) -> int:
         """Stores the pages it does not have yet. Returns the number of leading keys the tier holds

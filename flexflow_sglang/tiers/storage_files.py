@@ -52,6 +52,27 @@ def _open_regular(path: str) -> Tuple[Optional[int], str]:
     return fd, ""
 
 
+def first_headers(path: str, name_re, magic: bytes, limit: int = 16):
+    """(first 64 bytes, file size) of up to `limit` entries of `path` named by `name_re` that are
+    regular files of ours starting with `magic` and carrying a valid CRC32 of bytes 0..59 at 60:
+    how a restarted tier server learns its page size before any client has said hello."""
+    try:
+        names = sorted(n for n in os.listdir(path) if name_re.match(n))
+    except OSError:
+        return
+    for nm in names[:limit]:
+        fd, _ = _open_regular(os.path.join(path, nm))
+        if fd is None:
+            continue
+        try:
+            raw = os.pread(fd, HDR, 0)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if len(raw) == HDR and raw[:4] == magic and page_checksum(raw[:60]) == struct.unpack_from("<I", raw, 60)[0]:
+            yield raw, size
+
+
 def build_header(page_nbytes: int, fp_hash: bytes, name_id: bytes, checksum: int,
                  algo: int = CHECKSUM_HASH64) -> bytes:
     width = 8 if algo == CHECKSUM_HASH64 else 4

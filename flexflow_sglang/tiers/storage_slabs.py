@@ -34,15 +34,14 @@ import re
 import stat as _stat
 import struct
 import time
-import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import storage as _storage
-from .base import page_digests, payload_checksums, release_nixl
+from .base import page_checksum, page_digests, release_nixl
 from .storage import StorageTier
-from .storage_files import HDR, MAGIC, _open_regular, build_header, parse_header
+from .storage_files import HDR, MAGIC, build_header, first_headers, parse_header
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -61,13 +60,9 @@ _SLAB_RE = re.compile(r"^slab-(\d{4,9})\.kvs$")
 _NID = slice(36, 52)  # the header's name id (storage_files.HEADER: 4s H H I Q 16s [16s] 8s I)
 
 
-def _crc(b: bytes) -> int:
-    return zlib.crc32(b) & 0xFFFFFFFF
-
-
 def build_superblock(slots: int, page_nbytes: int, data_off: int, fp_hash: bytes) -> bytes:
     head = SUPERBLOCK.pack(SB_MAGIC, SB_VERSION, SB, slots, page_nbytes, data_off, fp_hash, b"\0" * 16, 0)
-    return head[:60] + struct.pack("<I", _crc(head[:60]))
+    return head[:60] + struct.pack("<I", page_checksum(head[:60]))
 
 
 def parse_superblock(raw: bytes, fp_hash: bytes, file_size: int) -> Tuple[Optional[Tuple[int, int, int]], str]:
@@ -79,7 +74,7 @@ def parse_superblock(raw: bytes, fp_hash: bytes, file_size: int) -> Tuple[Option
         return None, "bad magic"
     if ver != SB_VERSION or hlen != SB:
         return None, f"foreign slab version {ver}"
-    if _crc(raw[:60]) != crc:
+    if page_checksum(raw[:60]) != crc:
         return None, "superblock checksum"
     if fph != fp_hash:
         return None, "foreign fingerprint"
@@ -134,20 +129,8 @@ class SlabStorageTier(StorageTier):
     @staticmethod
     def peek_page_nbytes(path: str) -> Optional[int]:
         """page_nbytes of the first well-formed slab in `path` (None if there is none)."""
-        try:
-            names = sorted(n for n in os.listdir(path) if _SLAB_RE.match(n))
-        except OSError:
-            return None
-        for nm in names[:16]:
-            fd, _ = _open_regular(os.path.join(path, nm))
-            if fd is None:
-                continue
-            try:
-                raw = os.pread(fd, SB, 0)
-            finally:
-                os.close(fd)
-            if len(raw) == SB and raw[:4] == SB_MAGIC and _crc(raw[:60]) == struct.unpack_from("<I", raw, 60)[0]:
-                return struct.unpack_from("<Q", raw, 12)[0]
+        for raw, _ in first_headers(path, _SLAB_RE, SB_MAGIC):  # a superblock is header-sized
+            return struct.unpack_from("<Q", raw, 12)[0]
         return None
 
     # ------------------------------------------------------------------ start-up
@@ -162,17 +145,14 @@ class SlabStorageTier(StorageTier):
             return None
         st = os.fstat(fd)
         why = ("not a regular file" if not _stat.S_ISREG(st.st_mode) else
-               f"owned by uid {st.st_uid}, not {os.getuid()}" if st.st_uid != os.getuid() else
-               "mode readable by others; refused in read-only mode" if self.read_only and st.st_mode & 0o077
-               else "")
+               f"owned by uid {st.st_uid}, not {os.getuid()}" if st.st_uid != os.getuid() else "")
         if why:
             os.close(fd)
             self._odd(nm, why)
             return None
-        if st.st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-            self._c["modes_tightened"] += 1
-            log.warning("storage tier %s: %s had mode %o; set to 0600", self.path, nm, st.st_mode & 0o777)
+        if not self._owner_only(fd, nm, st.st_mode):
+            os.close(fd)
+            return None
         return fd
 
     def _scan(self) -> None:
@@ -206,10 +186,10 @@ class SlabStorageTier(StorageTier):
             slab = _Slab(int(m.group(1)), nm, fd, slots, P, data_off)
             self._slabs[slab.idx] = slab
             table = os.pread(fd, slots * (HDR + STAMP), SB)
-            heads = np.frombuffer(table, dtype=np.uint8, count=slots * HDR).reshape(slots, HDR) \
-                if len(table) == slots * (HDR + STAMP) else np.zeros((slots, HDR), np.uint8)
-            stamps = np.frombuffer(table, dtype="<u8", offset=slots * HDR) \
-                if len(table) == slots * (HDR + STAMP) else np.zeros(slots, np.uint64)
+            if len(table) != slots * (HDR + STAMP):  # shrank since the size check: read as empty
+                table = bytes(slots * (HDR + STAMP))
+            heads = np.frombuffer(table, dtype=np.uint8, count=slots * HDR).reshape(slots, HDR)
+            stamps = np.frombuffer(table, dtype="<u8", offset=slots * HDR)
             used = np.flatnonzero((heads[:, :4] == np.frombuffer(MAGIC, np.uint8)).all(axis=1))
             free = np.ones(slots, dtype=bool)
             for s in used.tolist():
@@ -253,28 +233,23 @@ class SlabStorageTier(StorageTier):
         P = self._P
         data_off = -(-(SB + slots * (HDR + STAMP)) // 4096) * 4096
         size = data_off + slots * P
+        fd = -1
         try:
             fd = os.open(os.path.join(self.path, nm),
                          os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                self._enter_disk_full(0)
-            else:
-                log.warning("storage tier: cannot create %s: %s", nm, e.strerror)
-                self._c["failures"] += 1
-            return None
-        try:
             os.fchmod(fd, 0o600)
             _storage._preallocate(fd, size)  # a full disk shows up here, never inside a page write
             os.ftruncate(fd, size)
             os.pwrite(fd, build_superblock(slots, P, data_off, self._fp), 0)
         except OSError as e:
-            os.close(fd)
-            self._unlink(nm)
+            if fd >= 0:
+                os.close(fd)
+                self._unlink(nm)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._enter_disk_full(0)
             else:
-                log.warning("storage tier: cannot reserve %d bytes for %s: %s", size, nm, e.strerror)
+                log.warning("storage tier: cannot %s %s (%d bytes): %s", "reserve" if fd >= 0 else "create",
+                            nm, size, e.strerror)
                 self._c["failures"] += 1
             return None
         slab = _Slab(idx, nm, fd, slots, P, data_off)
@@ -512,28 +487,14 @@ class SlabStorageTier(StorageTier):
                 log.warning("storage tier slab read failed: %s", err)
                 self._c["failures"] += 1
                 n = 0
-            heads = [parse_header(hdr[i], self._fp, bytes.fromhex(names[i][:32]), P) for i in range(n)]
-            sums = payload_checksums(out, [h[0][0] if h[0] else 0 for h in heads])
-            for i in range(n):
-                want, reason = heads[i]
-                if reason or want[1] != sums[i]:
-                    log.info("storage tier: dropping %s from %s (%s)", names[i],
-                             self._slabs[locs[i][0]].name, reason or "payload checksum")
-                    self._drop(names[i], corrupt=True)
-                    break
-                k += 1
-            for i in range(k):
-                self._index.move_to_end(names[i])
+            k = self._verified_run(names, hdr, out, n, P)
             if k and not self.read_only:  # use stamps: the LRU order a restart sees
                 first = max(time.time_ns(), self._last_stamp + 1)
                 self._last_stamp = first + k - 1
                 stamps = np.arange(first, first + k, dtype=np.uint64)
                 self._io(True, [(self._slabs[s].fd, self._slabs[s].stamp_off(slot), stamps.ctypes.data + i * STAMP,
                                  STAMP) for i, (s, slot) in enumerate(locs[:k])])
-        self._c["read_s"] += time.perf_counter() - t0
-        self._c["hits"] += k
-        self._c["misses"] += len(keys) - k
-        self._c["bytes_read"] += k * P
+        self._count_read(t0, k, len(keys), P)
         return k
 
     def stats(self) -> dict:

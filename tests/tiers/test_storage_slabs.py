@@ -21,7 +21,7 @@ from flexflow_sglang.tiers.storage import StorageTier, StorageTierError
 from flexflow_sglang.tiers.storage_files import HDR
 from flexflow_sglang.tiers.storage_slabs import SB, STAMP, SlabStorageTier
 
-from tier_helpers import STORAGE_BACKENDS, use_storage_backend
+from tier_helpers import STORAGE_BACKENDS, storage_tiers, use_storage_backend
 
 P = 4096 + 96  # not a multiple of 4 KiB: payload offsets must not assume alignment
 SLOT = HDR + STAMP + P
@@ -42,18 +42,7 @@ def backend(request, monkeypatch):
 
 @pytest.fixture
 def make(tmp_path, backend):
-    made = []
-
-    def mk(path=None, **kw):
-        kw.setdefault("capacity_gb", 1.0)
-        kw.setdefault("fingerprint", "model-A|layout-1")
-        t = SlabStorageTier(str(path or tmp_path / "kv"), **kw)
-        made.append(t)
-        return t
-
-    yield mk
-    for t in made:
-        t.close()
+    yield from storage_tiers(SlabStorageTier, tmp_path / "kv")
 
 
 def slab_files(d):

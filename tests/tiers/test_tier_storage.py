@@ -20,7 +20,7 @@ from flexflow_sglang.tiers import storage as storage_mod
 from flexflow_sglang.tiers.base import KVTier, page_checksum
 from flexflow_sglang.tiers.storage import HDR, StorageTier, StorageTierError
 
-from tier_helpers import NIXL_WHY, STORAGE_BACKENDS, requires_nixl, use_storage_backend
+from tier_helpers import NIXL_WHY, STORAGE_BACKENDS, requires_nixl, storage_tiers, use_storage_backend
 
 P = 4096 + 123  # an odd page size: nothing may assume alignment
 
@@ -43,18 +43,7 @@ def backend(request, monkeypatch):
 
 @pytest.fixture
 def make(tmp_path, backend):
-    made = []
-
-    def mk(path=None, **kw):
-        kw.setdefault("capacity_gb", 1.0)
-        kw.setdefault("fingerprint", "model-A|layout-1")
-        t = StorageTier(str(path or tmp_path / "kv"), **kw)
-        made.append(t)
-        return t
-
-    yield mk
-    for t in made:
-        t.close()
+    yield from storage_tiers(StorageTier, tmp_path / "kv")
 
 
 def files(d):

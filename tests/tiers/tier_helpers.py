@@ -85,3 +85,21 @@ def use_storage_backend(param: str, monkeypatch) -> str:
     if param.endswith("-python"):
         monkeypatch.setattr(storage_mod, "_fb", None)
     return param.split("-")[0]
+
+
+def storage_tiers(cls, default_path):
+    """Body of a `make` fixture (`yield from storage_tiers(...)`): yields mk(path=None, **kw), which
+    opens a `cls` storage tier (1 GiB, a fixed fingerprint unless given) at `path` or
+    `default_path`; every tier it opened is closed afterwards."""
+    made = []
+
+    def mk(path=None, **kw):
+        kw.setdefault("capacity_gb", 1.0)
+        kw.setdefault("fingerprint", "model-A|layout-1")
+        t = cls(str(path or default_path), **kw)
+        made.append(t)
+        return t
+
+    yield mk
+    for t in made:
+        t.close()

@@ -73,6 +73,26 @@ def test_generated_config_is_valid_and_starts_with_an_empty_storage_tier(tmp_pat
     assert not load_config(ss.write_config(str(tmp_path), 512, storage=False)).storage_tier.enabled
 
 
+@pytest.mark.parametrize("layout,backend", [("slabs", "os"), ("files", "posix"), ("slabs", "auto")])
+def test_generated_config_names_the_storage_layout_and_backend(tmp_path, layout, backend):
+    from flexflow_sglang.config import load_config
+    st = load_config(ss.write_config(str(tmp_path), 2048, True, layout, backend)).storage_tier
+    assert (st.layout, st.backend) == (layout, backend)
+
+
+def test_storage_backend_flag_rejects_a_backend_the_tier_does_not_know(capsys):
+    import argparse
+
+    from flexflow_sglang.tools.bench import add_storage_backend_arg
+    ap = argparse.ArgumentParser()
+    add_storage_backend_arg(ap)
+    assert ap.parse_args(["--storage-backend", "os"]).storage_backend == "os"
+    assert ap.parse_args([]).storage_backend == "auto"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--storage-backend", "gds"])  # needs a GPU: not offered by the CPU benches
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_shared_variant_keeps_the_users_config_and_shares_the_host_tier(tmp_path):
     from flexflow_sglang.config import load_config
     base = ss.write_config(str(tmp_path), 4096, storage=False)

@@ -82,3 +82,10 @@ def add_attention_backend_arg(ap) -> None:
                     help="SGLang --attention-backend of every server (default: torch_native on CPU). flexflow_sdpa "
                          "computes only the new tokens' queries, as GPU backends do (torch_native recomputes the "
                          "whole prefix's attention on every hit)")
+
+
+def add_storage_backend_arg(ap) -> None:
+    """--storage-backend: `storage_tier.backend` of a bench's generated storage tier."""
+    ap.add_argument("--storage-backend", choices=("auto", "posix", "os"), default="auto",
+                    help="storage_tier.backend of that storage tier: auto (NIXL POSIX where NIXL is installed), "
+                         "posix, or os (positioned system calls, one compiled call per batch)")

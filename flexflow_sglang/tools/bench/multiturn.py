@@ -38,7 +38,7 @@ from typing import List, Optional
 import requests
 from tqdm import tqdm
 
-from . import add_attention_backend_arg, nearest_rank
+from . import add_attention_backend_arg, add_storage_backend_arg, nearest_rank
 from .serve import stream_generate
 
 #: lowest token id a generated turn uses: below it sit a tokenizer's special tokens (BOS, EOS, pad)
@@ -242,6 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--storage", action="store_true", help="a storage tier under --out catches host-tier spills")
     ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
                     help="storage_tier.layout of that storage tier")
+    add_storage_backend_arg(ap)
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG instead of --host-tokens/--storage")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, else auto)")
@@ -282,7 +283,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in tqdm(order, desc=f"bench multiturn {rep + 1}/{args.repeats}", unit="server"):
             if name == "flexflow" and args.config is None:
                 rep_args.config = write_config(rep_out, args.host_tokens, args.storage,  # fresh storage tier
-                                               args.storage_layout)
+                                               args.storage_layout, args.storage_backend)
             r = run_backend(name, model, turns, rep_args)
             results.append(r)
             if not r.get("ran"):
@@ -295,7 +296,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"bench multiturn: plot failed: {e}", file=sys.stderr)
     workload = {k: getattr(args, k) for k in ("clients", "rounds", "system_length", "request_length",
                                               "output_length", "max_parallel", "max_total_tokens", "host_tokens",
-                                              "storage", "storage_layout", "config", "page_size", "dtype",
+                                              "storage", "storage_layout", "storage_backend", "config", "page_size", "dtype",
                                               "attention_backend", "forward_threads", "seed", "repeats")}
     results, summary = repeats[0]["results"], repeats[0]["summary"]
     out = {"command": "flexflow bench multiturn " + " ".join(argv), "commit": _commit(), "model": model_name,

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys

@@ -48,7 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 POLICIES = ("adaptive", "direct")
 LOADS = ("idle", "udp")

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from . import add_attention_backend_arg
+from . import add_attention_backend_arg, add_storage_backend_arg
 
 _PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 #: bench_serving's result keys this report keeps (its JSONL has many more)
@@ -69,10 +69,11 @@ def bench_serving_cmd(url: str, model: str, out_file: str, args) -> List[str]:
 BACKENDS = ("baseline", "flexflow", "flexflow-shared")
 
 
-def write_config(out: str, host_tokens: int, storage: bool, storage_layout: str = "slabs") -> str:
+def write_config(out: str, host_tokens: int, storage: bool, storage_layout: str = "slabs",
+                 storage_backend: str = "auto") -> str:
     """A FLEXFLOW_CONFIG for this run: a host tier of `host_tokens` tokens (smaller than the working
     set makes pages spill), and with `storage` a storage tier under `out` (`storage_tier.layout`:
-    `storage_layout`) that catches the spills."""
+    `storage_layout`, `storage_tier.backend`: `storage_backend`) that catches the spills."""
     import shutil
 
     import yaml
@@ -81,7 +82,8 @@ def write_config(out: str, host_tokens: int, storage: bool, storage_layout: str 
     if storage:
         kv = os.path.join(out, "storage-kv")
         shutil.rmtree(kv, ignore_errors=True)  # every backend starts from an empty storage tier
-        cfg["storage_tier"] = {"enabled": True, "path": kv, "capacity_gb": 8.0, "layout": storage_layout}
+        cfg["storage_tier"] = {"enabled": True, "path": kv, "capacity_gb": 8.0, "layout": storage_layout,
+                               "backend": storage_backend}
     path = os.path.join(out, "flexflow.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -359,6 +361,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
     ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
                     help="storage_tier.layout of that storage tier")
+    add_storage_backend_arg(ap)
     ap.add_argument("--page-size", type=int, default=None,
                     help="SGLang --page-size of every server (default: SGLang's, 1); the tiers' pages follow it")
     ap.add_argument("--forward-threads", type=int, default=0,
@@ -391,7 +394,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_served_model(args)
     if args.host_tokens is not None:
-        args.config = write_config(args.out, args.host_tokens, args.storage, args.storage_layout)
+        args.config = write_config(args.out, args.host_tokens, args.storage, args.storage_layout, args.storage_backend)
     elif args.storage:
         ap.error("--storage needs --host-tokens (the generated config)")
     from .serving_verify import bench_home, write_prompts
@@ -404,7 +407,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for rnd, name in tqdm(jobs, desc="bench sglang-serving", unit="server"):
         if args.host_tokens is not None:
             # an empty storage tier per server
-            write_config(args.out, args.host_tokens, args.storage, args.storage_layout)
+            write_config(args.out, args.host_tokens, args.storage, args.storage_layout, args.storage_backend)
         r = run_backend(name, model, args)
         r["round"] = rnd
         results.append(r)

@@ -13,6 +13,7 @@ def test_bench_storage_only_without_nixl(monkeypatch, tmp_path):
     monkeypatch.setattr(storage_mod, "load_nixl", lambda: (None, None, "disabled by test"))
     r = bench.run(page_nbytes=32 * 1024, n_pages=4, repeats=1, storage_dir=str(tmp_path), remote=False)
     assert r["storage_backend"] == "os"
+    assert r["commit"] and r["commit"] != "unknown"  # every figure names the commit it was measured at
     assert r["storage_write_ratio"] > 0 and r["storage_read_ratio"] > 0
 
 
@@ -74,3 +75,27 @@ def test_bench_layouts_side_by_side_with_room_and_full(monkeypatch, tmp_path):
         assert r[f"layout_{tag}slabs_over_files_write"] > 0
     assert r["layout_files_evictions"] == r["layout_slabs_evictions"] == 0
     assert r["layout_full_files_evictions"] == r["layout_full_slabs_evictions"] == 2 * 8
+
+
+@pytest.mark.nixl
+@requires_nixl
+@pytest.mark.timeout(120)
+def test_bench_slab_backends_idle_and_beside_python(tmp_path):
+    """`--slab-backends`: the slab layout through NIXL POSIX and through os, idle and beside a Python
+    thread; each stores and reads back every page (the bench asserts the bytes and which backend ran)."""
+    r = bench.run(page_nbytes=16 * 1024, n_pages=8, repeats=2, storage_dir=str(tmp_path), remote=False,
+                  slab_backends=True)
+    for tag in ("idle", "beside_python"):
+        for b in ("posix", "os"):
+            for d in ("write", "read"):
+                assert r[f"slabs_{tag}_{b}_{d}_gbps"] > 0, (tag, b, d, r)
+        assert r[f"slabs_{tag}_os_over_posix_write"] > 0 and r[f"slabs_{tag}_os_over_posix_read"] > 0
+
+
+def test_bench_slab_backends_without_nixl_says_why(monkeypatch, tmp_path):
+    from flexflow_sglang.tools.bench import tier_bench
+    monkeypatch.setattr(tier_bench, "load_nixl", lambda: (None, None, "disabled by test"))
+    r = bench.run(page_nbytes=4 * 1024, n_pages=4, repeats=1, storage_dir=str(tmp_path), remote=False,
+                  slab_backends=True)
+    assert "NIXL not installed" in r["slab_backends_skipped"]
+    assert not any(k.startswith("slabs_idle") for k in r)

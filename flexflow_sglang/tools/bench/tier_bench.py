@@ -8,6 +8,8 @@
   index) against a plain Python write/read of the same bytes, one file per page, same directory.
   `--beside-python N`: N alternating rounds of the same writes while another thread runs Python (as
   SGLang's scheduler thread does), with the compiled per-batch file calls and with their Python twin.
+  `--slab-backends`: the slab layout through NIXL POSIX and through `os`, write and read GB/s, idle
+  and beside a thread running Python (alternating per repeat).
   `--layouts files,slabs`: the storage tier's layouts side by side (alternating per repeat), first
   with room, then full (each tier holds one repeat's pages, so every store evicts): write and read
   GB/s, the writer's CPU per page, and slabs / files.
@@ -143,24 +145,13 @@ def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dic
     """Storage-tier writes while another thread runs Python (as SGLang's scheduler thread does between
     torch ops): with the compiled per-batch file calls (_file_batch) and with their Python twin, which
     re-acquires the GIL after every per-file system call. Median wall seconds for n pages, each mode."""
-    import threading
-
     from flexflow_sglang.tiers import storage as storage_mod
     from flexflow_sglang.tiers.storage import StorageTier
     compiled = storage_mod._fb
     pages = np.random.default_rng(2).integers(0, 256, size=(n, P), dtype=np.uint8)
-    stop = threading.Event()
-
-    def spin():  # pure Python: holds the GIL until the interpreter's switch interval asks for it
-        x = 0
-        while not stop.is_set():
-            for i in range(1000):
-                x += i
-
     modes = [("compiled", compiled), ("python", None)] if compiled is not None else [("python", None)]
     times: dict = {m: [] for m, _ in modes}
-    th = threading.Thread(target=spin, name="bench-python-spin", daemon=True)
-    th.start()
+    halt = _python_spinner()
     try:
         for rep in range(repeats):
             for m, fb in modes:  # alternating, so that drift on a noisy machine hits both
@@ -176,12 +167,76 @@ def _bench_storage_beside_python(root: str, P: int, n: int, repeats: int) -> dic
                     tier.close()
     finally:
         storage_mod._fb = compiled
-        stop.set()
-        th.join()
+        halt()
     r = {f"beside_python_write_s_{m}": statistics.median(v) for m, v in times.items()}
     if "compiled" in times:
         r["beside_python_twin_over_compiled"] = r["beside_python_write_s_python"] / r["beside_python_write_s_compiled"]
     return r
+
+
+def _python_spinner():
+    """A thread running pure Python (as SGLang's scheduler thread does between torch ops): it holds
+    the GIL until the interpreter's switch interval makes it let go. Returns its stop()."""
+    import threading
+    stop = threading.Event()
+
+    def spin():
+        x = 0
+        while not stop.is_set():
+            for i in range(1000):
+                x += i
+
+    th = threading.Thread(target=spin, name="bench-python-spin", daemon=True)
+    th.start()
+
+    def halt():
+        stop.set()
+        th.join()
+    return halt
+
+
+def _bench_slab_backends(root: str, P: int, n: int, repeats: int) -> dict:
+    """The slab layout through NIXL POSIX and through the `os` backend, idle and beside a thread
+    running Python. Every NIXL call releases the GIL and has to win it back, and POSIX's transfer
+    does its I/O inside both the post and the status polls; `os` moves a whole batch in one
+    compiled call. So beside Python, what a batch costs is mostly how often it waits for the GIL.
+    Write and read GB/s (median of `repeats`, the backends alternating per repeat)."""
+    from flexflow_sglang.tiers.storage_slabs import SlabStorageTier
+    if load_nixl()[0] is None:
+        return {"slab_backends_skipped": "NIXL not installed: no POSIX backend to compare with os"}
+    pages = np.random.default_rng(3).integers(0, 256, size=(n, P), dtype=np.uint8)
+    out = np.empty_like(pages)
+    res: dict = {}
+    for busy in (False, True):
+        halt = _python_spinner() if busy else None
+        try:
+            times = {(b, d): [] for b in ("posix", "os") for d in ("write", "read")}
+            for rep in range(repeats):
+                for b in ("posix", "os") if rep % 2 == 0 else ("os", "posix"):
+                    tier = SlabStorageTier(os.path.join(root, f"slab-{b}-{int(busy)}-{rep}"),
+                                           capacity_bytes=n * (P + 4096) * 2, backend=b, fingerprint="bench")
+                    try:
+                        keys = [os.urandom(32) for _ in range(n)]
+                        t = time.perf_counter()
+                        assert tier.put_many(keys, pages) == n, f"slab tier ({b}) stored fewer pages"
+                        times[(b, "write")].append(time.perf_counter() - t)
+                        t = time.perf_counter()
+                        got = tier.get_many_into(keys, out)
+                        times[(b, "read")].append(time.perf_counter() - t)
+                        assert got == n and np.array_equal(out, pages), f"slab tier ({b}) read back wrong bytes"
+                        assert tier.stats()["backend"] == ("os" if b == "os" else "nixl-posix"), tier.stats()["backend"]
+                    finally:
+                        tier.close()
+        finally:
+            if halt:
+                halt()
+        tag = "beside_python" if busy else "idle"
+        for (b, d), v in times.items():
+            res[f"slabs_{tag}_{b}_{d}_gbps"] = round(_median_gbps(n * P, v), 3)
+        for d in ("write", "read"):
+            res[f"slabs_{tag}_os_over_posix_{d}"] = round(res[f"slabs_{tag}_os_{d}_gbps"]
+                                                          / res[f"slabs_{tag}_posix_{d}_gbps"], 3)
+    return res
 
 
 def _spawn(argv, ready_timeout: float = 60.0):
@@ -375,11 +430,14 @@ def _hicache_section(res: dict, backends, P: int, n: int, repeats: int) -> None:
 
 def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage_dir: Optional[str] = None,
         storage: bool = True, remote: bool = True, timeout_ms: float = 10000.0, hicache=(),
-        beside_python: int = 0, layouts=()) -> dict:
+        beside_python: int = 0, layouts=(), slab_backends: bool = False) -> dict:
     """Returns throughputs (GB/s, 1e9) and tier/baseline ratios; keys are listed in the module doc.
     beside_python: that many alternating rounds of storage writes beside a thread running Python.
-    layouts: storage layouts (files, slabs) measured side by side, with room and full."""
-    res = dict(page_nbytes=page_nbytes, n_pages=n_pages, repeats=repeats, bytes=page_nbytes * n_pages,
+    layouts: storage layouts (files, slabs) measured side by side, with room and full.
+    slab_backends: the slab layout through NIXL POSIX and `os`, idle and beside a thread running Python."""
+    from . import measured_commit
+    res = dict(commit=measured_commit(), page_nbytes=page_nbytes, n_pages=n_pages, repeats=repeats,
+               bytes=page_nbytes * n_pages,
                ucx_tls=os.environ.get("UCX_TLS", "(default)"), nixl=load_nixl()[0] is not None)
     probe = np.random.default_rng(3).integers(0, 256, size=(n_pages, page_nbytes), dtype=np.uint8)
     t = time.perf_counter()
@@ -397,6 +455,8 @@ def run(page_nbytes: int = 1 << 20, n_pages: int = 64, repeats: int = 5, storage
             if layouts:
                 for full in (False, True):
                     res.update(_bench_layouts(root, page_nbytes, n_pages, repeats, list(layouts), full))
+            if slab_backends:
+                res.update(_bench_slab_backends(root, page_nbytes, n_pages, repeats))
     if remote:
         if res["nixl"]:
             res.update(_bench_remote(page_nbytes, n_pages, repeats, timeout_ms))
@@ -423,6 +483,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="",
                     help="storage tier layouts to compare side by side, e.g. 'files,slabs' (each with room, "
                          "then full so that every store evicts)")
+    ap.add_argument("--slab-backends", action="store_true",
+                    help="the slab layout through NIXL POSIX and through `os`, idle and beside a thread running "
+                         "Python (alternating per repeat)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--raw-target", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -430,7 +493,7 @@ def main(argv=None) -> int:
         return _raw_target(a.raw_target)
     r = run(a.page_kib * 1024, a.pages, a.repeats, a.dir, not a.no_storage, not a.no_remote,
             hicache=[b for b in a.hicache.split(",") if b], beside_python=a.beside_python,
-            layouts=[m for m in a.layouts.split(",") if m])
+            layouts=[m for m in a.layouts.split(",") if m], slab_backends=a.slab_backends)
     if a.json:
         print(json.dumps(r, indent=2))
     else:

@@ -47,7 +47,7 @@ from ..errors import FlexFlowError
 from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent,
                    page_digests, payload_checksums, post_xfer, release_nixl, unique_agent_name, wait_xfers)
 from .storage_files import (CREATE_OPEN, HDR, MAGIC, _NAME_RE, _open_regular, build_header,  # noqa: F401 (re-exported)
-                            create_files, first_headers, parse_header, publish_files, write_pages)
+                            create_files, first_headers, parse_header, publish_files, rows_to_write, write_pages)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -610,8 +610,7 @@ class StorageTier(KVTier):
         P = size - HDR
         t0 = time.perf_counter()
         claimed = [names[i] for i in todo]
-        # rows to write, contiguous: the caller's pages when todo is 0..m-1, else a gathered copy
-        src = pages if todo == list(range(len(todo))) else np.ascontiguousarray(pages[todo])
+        src = rows_to_write(pages, todo)
         sums = page_digests(src, len(todo))
         # one random draw for the batch: os.urandom releases the GIL, so one per file waits for it per file
         rnd = os.urandom(4 * len(claimed)).hex()

@@ -224,3 +224,12 @@ def write_pages(fb, fds: List[int], names: List[str], hdr: np.ndarray, src: np.n
         except OSError as e:
             return e
     return None
+
+
+def rows_to_write(pages: np.ndarray, todo: List[int]) -> np.ndarray:
+    """The rows `todo` of `pages`, C-contiguous: a view when they are one ascending run (put_many's
+    chunks are: chunk k is rows k*step.., so a copy there re-read 16 MiB per chunk for nothing),
+    a gathered copy otherwise (rows skipped because the tier holds them already)."""
+    if todo and todo[-1] - todo[0] == len(todo) - 1 and todo == list(range(todo[0], todo[-1] + 1)):
+        return pages[todo[0]:todo[-1] + 1]
+    return np.ascontiguousarray(pages[todo])

@@ -41,7 +41,7 @@ import numpy as np
 from . import storage as _storage
 from .base import page_checksum, page_digests, release_nixl
 from .storage import StorageTier
-from .storage_files import HDR, MAGIC, build_header, first_headers, parse_header
+from .storage_files import HDR, MAGIC, build_header, first_headers, parse_header, rows_to_write
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -411,7 +411,7 @@ class SlabStorageTier(StorageTier):
         t0 = time.perf_counter()
         claimed = [names[i] for i in todo]
         P = pages.shape[1]
-        src = pages if todo == list(range(len(todo))) else np.ascontiguousarray(pages[todo])
+        src = rows_to_write(pages, todo)
         sums = page_digests(src, len(todo))
         published = 0
         try:

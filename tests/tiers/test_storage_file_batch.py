@@ -12,7 +12,7 @@ import pytest
 
 from flexflow_sglang.tiers import storage as storage_mod
 from flexflow_sglang.tiers.storage import StorageTier
-from flexflow_sglang.tiers.storage_files import CREATE_OPEN, CREATE_RESERVE, create_files, publish_files
+from flexflow_sglang.tiers.storage_files import CREATE_OPEN, CREATE_RESERVE, create_files, publish_files, rows_to_write
 
 try:
     from flexflow_sglang import _file_batch
@@ -144,3 +144,15 @@ def test_compiled_write_pages_writes_header_and_payload_and_stops_at_a_failed_wr
     for i in range(2):
         assert (tmp_path / f"f{i}").read_bytes() == hdr[i].tobytes() + data[i].tobytes()
     assert (tmp_path / "f2").read_bytes() == b""
+
+
+def test_rows_to_write_views_one_ascending_run_and_copies_anything_else():
+    """put_many's later chunks are one ascending run of rows: written from a view, not a 16 MiB copy;
+    rows with gaps (pages the tier already held) are gathered into a contiguous copy."""
+    pages = np.arange(10 * 8, dtype=np.uint8).reshape(10, 8)
+    run = rows_to_write(pages, [3, 4, 5, 6])
+    assert np.shares_memory(run, pages) and run.flags.c_contiguous and np.array_equal(run, pages[3:7])
+    for todo in ([3, 5, 6], [6, 5, 4], [2, 2, 3]):
+        got = rows_to_write(pages, todo)
+        assert not np.shares_memory(got, pages) and got.flags.c_contiguous
+        assert np.array_equal(got, pages[todo])

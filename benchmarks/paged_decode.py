@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from flexflow_sglang.backend import prefix_sdpa
-from flexflow_sglang.tools.bench.stall import _commit
+from flexflow_sglang.tools.bench import measured_commit
 
 
 def main():
@@ -71,7 +71,7 @@ def main():
 
     result = {"command": "python benchmarks/paged_decode.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
-        "commit": _commit(), "kv_bytes_per_token": 2 * a.layers * a.kv_heads * a.head_dim * K[0].element_size(),
+        "commit": measured_commit(), "kv_bytes_per_token": 2 * a.layers * a.kv_heads * a.head_dim * K[0].element_size(),
         "runs": []}
     threads = [int(x) for x in a.threads.split(",") if x.strip()]
     for th in tqdm(threads, desc="paged decode", unit="thread count"):

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from flexflow_sglang.backend import prefix_sdpa
-from flexflow_sglang.tools.bench.stall import _commit
+from flexflow_sglang.tools.bench import measured_commit
 
 
 def main():
@@ -70,7 +70,7 @@ def main():
 
     result = {"command": "python benchmarks/paged_extend.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
-        "commit": _commit(), "kv_bytes_per_token": 2 * a.layers * a.kv_heads * a.head_dim * K[0].element_size(),
+        "commit": measured_commit(), "kv_bytes_per_token": 2 * a.layers * a.kv_heads * a.head_dim * K[0].element_size(),
         "kernel_max_rows": default_rows, "runs": []}
     try:
         for suffix in tqdm(suffixes, desc="paged extend", unit="suffix"):

@@ -263,7 +263,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not backends or any(b not in ("baseline", "flexflow") for b in backends):
         ap.error(f"--backends: {args.backends!r}; valid: baseline, flexflow")
     from .sglang_serving import resolve_served_model, write_config
-    from .stall import _commit
+    from . import measured_commit
+    commit = measured_commit()  # before the runs: the code that ran, not HEAD after them
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_served_model(args)
     with open(os.path.join(model, "config.json")) as f:
@@ -299,7 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                               "storage", "storage_layout", "storage_backend", "config", "page_size", "dtype",
                                               "attention_backend", "forward_threads", "seed", "repeats")}
     results, summary = repeats[0]["results"], repeats[0]["summary"]
-    out = {"command": "flexflow bench multiturn " + " ".join(argv), "commit": _commit(), "model": model_name,
+    out = {"command": "flexflow bench multiturn " + " ".join(argv), "commit": commit, "model": model_name,
            "workload": workload, "results": results, "summary": summary}
     if args.repeats > 1:
         out["repeats"] = repeats

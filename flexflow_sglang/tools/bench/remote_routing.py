@@ -383,7 +383,7 @@ def run_driver(args) -> int:
 
     from flexflow_sglang.tiers.base import load_nixl
     from . import kv_bytes_per_token_of, resolve_model, save_result
-    from .stall import _commit
+    from . import measured_commit
     from .contention import netlab
     ok, why = netlab.available()
     if not ok:
@@ -403,7 +403,7 @@ def run_driver(args) -> int:
     prompts = os.path.join(args.out, "prompts.json")
     with open(prompts, "w") as f:
         json.dump(texts, f)
-    out = {"command": "flexflow bench remote-routing " + " ".join(args.argv), "commit": _commit(),
+    out = {"command": "flexflow bench remote-routing " + " ".join(args.argv), "commit": measured_commit(),
            "model": args.model_dir, "model_name": model_name, "dtype": args.dtype, "kv_bytes_per_token": kvpt,
            "rate": args.rate, "udp_share": args.udp_share, "prompts": args.prompts,
            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "page_size": args.page_size,

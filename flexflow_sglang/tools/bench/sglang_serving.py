@@ -389,7 +389,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               "datasets==5.2.0; .ci/setup-cpu.sh installs it)", file=sys.stderr)
         return 2
     from flexflow_sglang.config import DEFAULT_CONFIG_PATH
-    from .stall import _commit
+    from . import measured_commit
+    commit = measured_commit()  # before the runs: the code that ran, not HEAD after them
     args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_served_model(args)
@@ -420,7 +421,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                               "gsp_question_len", "gsp_output_len", "max_concurrency",
                                               "max_total_tokens", "passes", "seed", "dtype", "host_tokens",
                                               "storage", "config", "dp_size", "page_size", "forward_threads", "verify")}
-    out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": _commit(), "model": model_name,
+    out = {"command": "flexflow bench sglang-serving " + " ".join(argv), "commit": commit, "model": model_name,
            "model_path": model, "workload": workload, "results": results, "summary": summary}
     with open(os.path.join(args.out, "bench_sglang_serving.json"), "w") as f:
         json.dump(out, f, indent=1)

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from . import nearest_rank, save_result
+from . import measured_commit, nearest_rank, save_result
 
 MODES = ("off", "async", "sync")
 TIER_PORT = 7400
@@ -205,14 +205,6 @@ def run_inside(args) -> int:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def plot(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -253,7 +245,7 @@ def run_driver(args) -> int:
     if bad:
         print(f"bench stall: unknown mode(s) {bad}; valid: {list(MODES)}", file=sys.stderr)
         return 2
-    out = {"command": "flexflow bench stall " + " ".join(args.argv), "commit": _commit(), "model": model,
+    out = {"command": "flexflow bench stall " + " ".join(args.argv), "commit": measured_commit(), "model": model,
            "dtype": args.dtype,
            "model_name": model_name,
            "kv_bytes_per_token": kvpt, "rate": args.rate, "streams": args.streams, "decode_tokens": args.decode_tokens,

@@ -179,7 +179,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if bad:
         ap.error(f"--kinds: unknown {bad}; valid: {', '.join(KINDS)}")
     check_positive(ap, args, WORKLOAD_POSITIVE + ("host_tokens",))
-    from .stall import _commit
+    from . import measured_commit
+    commit = measured_commit()  # before the runs
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_served_model(args)
     args.passes = 1
@@ -187,7 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for kind in tqdm(kinds, desc="bench two-server", unit="kind"):
         results.append(run_kind(kind, model, args))
     doc = {"command": "flexflow bench two-server " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "commit": _commit(), "model": model_name, "results": results, "summary": summarize(results)}
+           "commit": commit, "model": model_name, "results": results, "summary": summarize(results)}
     with open(os.path.join(args.out, "bench_two_server.json"), "w") as f:
         json.dump(doc, f, indent=1)
     plot(results, os.path.join(args.out, "bench_two_server.png"), f"{model_name}, commit {doc['commit']}")

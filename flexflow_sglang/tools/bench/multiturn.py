@@ -38,7 +38,7 @@ from typing import List, Optional
 import requests
 from tqdm import tqdm
 
-from . import add_attention_backend_arg, add_storage_backend_arg, nearest_rank
+from . import add_attention_backend_arg, add_storage_backend_arg, flush_dirty_pages, nearest_rank
 from .serve import stream_generate
 
 #: lowest token id a generated turn uses: below it sit a tokenizer's special tokens (BOS, EOS, pad)
@@ -179,6 +179,7 @@ def run_backend(name: str, model: str, turns, args) -> dict:
                           attention_backend=args.attention_backend,
                           extra_args=["--enable-metrics", "--dtype", args.dtype],
                           env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None, **kw)
+    synced_s = flush_dirty_pages()  # the previous server's writes are not this one's cost
     try:
         server.start()
     except ServerStartError as e:
@@ -198,7 +199,8 @@ def run_backend(name: str, model: str, turns, args) -> dict:
     # what the data plane did (deltas): loads per tier, prefetches, timeouts, drops
     moved = {k[len("flexflow_"):]: after[k] - before.get(k, 0) for k in after
              if "sched" not in k and after[k] - before.get(k, 0)}
-    return {"backend": name, "ran": True, "startup_s": server.startup_s, "log": log, "records": records,
+    return {"backend": name, "ran": True, "startup_s": server.startup_s, "synced_s": round(synced_s, 3), "log": log,
+            "records": records,
             "flexflow_counters": moved,
             "rounds": [round_stats(records, r) for r in range(args.rounds)],
             "later_rounds": round_stats([x for x in records if x["round"] > 0])}

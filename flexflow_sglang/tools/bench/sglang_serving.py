@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from . import add_attention_backend_arg, add_storage_backend_arg
+from . import add_attention_backend_arg, add_storage_backend_arg, flush_dirty_pages
 
 _PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 #: bench_serving's result keys this report keeps (its JSONL has many more)
@@ -198,6 +198,7 @@ def run_backend(name: str, model: str, args) -> dict:
                           max_running_requests=max(4, args.max_concurrency),
                           attention_backend=args.attention_backend, extra_args=["--enable-metrics", "--dtype", args.dtype],
                           env={"OMP_NUM_THREADS": str(args.forward_threads)} if args.forward_threads else None, **kw)
+    synced_s = flush_dirty_pages()  # the previous server's writes are not this one's cost
     try:
         server.start()
     except ServerStartError as e:
@@ -212,7 +213,8 @@ def run_backend(name: str, model: str, args) -> dict:
         return {"backend": name, "ran": False, "error": str(e)[:600], "log": log, "passes": passes}
     finally:
         server.stop()
-    out = {"backend": name, "ran": True, "startup_s": server.startup_s, "passes": passes, "log": log}
+    out = {"backend": name, "ran": True, "startup_s": server.startup_s, "synced_s": round(synced_s, 3), "passes": passes,
+           "log": log}
     if verify is not None:
         out["verify"] = verify
     return out

@@ -83,11 +83,11 @@ def test_generated_config_names_the_storage_layout_and_backend(tmp_path, layout,
 def test_storage_backend_flag_rejects_a_backend_the_tier_does_not_know(capsys):
     import argparse
 
-    from flexflow_sglang.tools.bench import add_storage_backend_arg
+    from flexflow_sglang.tools.bench import add_storage_tier_args
     ap = argparse.ArgumentParser()
-    add_storage_backend_arg(ap)
+    add_storage_tier_args(ap)
     assert ap.parse_args(["--storage-backend", "os"]).storage_backend == "os"
-    assert ap.parse_args([]).storage_backend == "auto"
+    assert ap.parse_args([]).storage_backend == "auto" and ap.parse_args([]).storage_layout == "slabs"
     with pytest.raises(SystemExit):
         ap.parse_args(["--storage-backend", "gds"])  # needs a GPU: not offered by the CPU benches
     assert "invalid choice" in capsys.readouterr().err

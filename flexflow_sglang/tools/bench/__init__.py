@@ -84,8 +84,11 @@ def add_attention_backend_arg(ap) -> None:
                          "whole prefix's attention on every hit)")
 
 
-def add_storage_backend_arg(ap) -> None:
-    """--storage-backend: `storage_tier.backend` of a bench's generated storage tier."""
+def add_storage_tier_args(ap) -> None:
+    """--storage-layout and --storage-backend: `storage_tier.layout` / `.backend` of a bench's
+    generated storage tier."""
+    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
+                    help="storage_tier.layout of that storage tier")
     ap.add_argument("--storage-backend", choices=("auto", "posix", "os"), default="auto",
                     help="storage_tier.backend of that storage tier: auto (NIXL POSIX where NIXL is installed), "
                          "posix, or os (positioned system calls, one compiled call per batch)")
@@ -93,8 +96,9 @@ def add_storage_backend_arg(ap) -> None:
 
 def flush_dirty_pages() -> float:
     """os.sync(), timed: a server then starts with no earlier run's dirty page cache left to write
-    back. A storage tier's server writes ~1.4 GB in a kv128k multi-turn run; without this the kernel
-    writes it back during whichever server runs next, and the ratio blames that server. Seconds taken."""
+    back (a storage tier's server writes ~1.4 GB in a kv128k multi-turn run), so the kernel cannot
+    charge that write-back to whichever server runs next. A precaution: in the runs so far the sync
+    took under 1 s and did not change the spread. Seconds taken."""
     import os
     import time
     t = time.perf_counter()

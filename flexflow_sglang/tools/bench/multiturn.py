@@ -38,7 +38,7 @@ from typing import List, Optional
 import requests
 from tqdm import tqdm
 
-from . import add_attention_backend_arg, add_storage_backend_arg, flush_dirty_pages, nearest_rank
+from . import add_attention_backend_arg, add_storage_tier_args, flush_dirty_pages, measured_commit, nearest_rank
 from .serve import stream_generate
 
 #: lowest token id a generated turn uses: below it sit a tokenizer's special tokens (BOS, EOS, pad)
@@ -242,9 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="device KV pool of every server")
     ap.add_argument("--host-tokens", type=int, default=4096, help="host tier of the flexflow server (tokens)")
     ap.add_argument("--storage", action="store_true", help="a storage tier under --out catches host-tier spills")
-    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
-                    help="storage_tier.layout of that storage tier")
-    add_storage_backend_arg(ap)
+    add_storage_tier_args(ap)
     ap.add_argument("--config", default=None, help="FLEXFLOW_CONFIG instead of --host-tokens/--storage")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="SGLang --dtype (default: float32 for a tiny preset, else auto)")
@@ -265,7 +263,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not backends or any(b not in ("baseline", "flexflow") for b in backends):
         ap.error(f"--backends: {args.backends!r}; valid: baseline, flexflow")
     from .sglang_serving import resolve_served_model, write_config
-    from . import measured_commit
     commit = measured_commit()  # before the runs: the code that ran, not HEAD after them
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_served_model(args)

@@ -382,8 +382,7 @@ def run_driver(args) -> int:
     from tqdm import tqdm
 
     from flexflow_sglang.tiers.base import load_nixl
-    from . import kv_bytes_per_token_of, resolve_model, save_result
-    from . import measured_commit
+    from . import kv_bytes_per_token_of, measured_commit, resolve_model, save_result
     from .contention import netlab
     ok, why = netlab.available()
     if not ok:

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional
 
 from tqdm import tqdm
 
-from . import add_attention_backend_arg, add_storage_backend_arg, flush_dirty_pages
+from . import add_attention_backend_arg, add_storage_tier_args, flush_dirty_pages, measured_commit
 
 _PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
 #: bench_serving's result keys this report keeps (its JSONL has many more)
@@ -361,9 +361,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--host-tokens", type=int, default=None,
                     help="write a config with a host tier of this many tokens (instead of --config)")
     ap.add_argument("--storage", action="store_true", help="with --host-tokens: a storage tier under --out too")
-    ap.add_argument("--storage-layout", choices=("files", "slabs"), default="slabs",
-                    help="storage_tier.layout of that storage tier")
-    add_storage_backend_arg(ap)
+    add_storage_tier_args(ap)
     ap.add_argument("--page-size", type=int, default=None,
                     help="SGLang --page-size of every server (default: SGLang's, 1); the tiers' pages follow it")
     ap.add_argument("--forward-threads", type=int, default=0,
@@ -391,7 +389,6 @@ def main(argv: Optional[List[str]] = None) -> int:
               "datasets==5.2.0; .ci/setup-cpu.sh installs it)", file=sys.stderr)
         return 2
     from flexflow_sglang.config import DEFAULT_CONFIG_PATH
-    from . import measured_commit
     commit = measured_commit()  # before the runs: the code that ran, not HEAD after them
     args.config = args.config or os.path.join(os.path.dirname(DEFAULT_CONFIG_PATH), "cpu-dev.yaml")
     os.makedirs(args.out, exist_ok=True)

@@ -165,6 +165,23 @@ def step_verify(out_dir: str, dry: bool) -> dict:
     return res
 
 
+def step_layerwise(out_dir: str, dry: bool) -> dict:
+    """Host-hit TTFT with layer-wise load-back (side stream + per-layer events) on vs off, one ABAB
+    round on the kv128k preset in bfloat16 (64 KB of KV per token, 256 MiB per 4k-token hit)."""
+    argv = ["--out", os.path.join(out_dir, "layerwise"), "--families", "2", "--repeats", "3", "--rounds", "1",
+            "--prefix-tokens", "4096", "--dtype", "bfloat16", "--host-gb", "4", "--max-total-tokens", "20480",
+            "--start-timeout", "150"]
+    from flexflow_sglang.tools.bench.layerwise_bench import main as layerwise_main, parse_args
+    parsed = parse_args(argv)  # a dry run still checks the arguments against the bench's parser
+    if dry:
+        return {"skipped": "dry run: would run flexflow bench layerwise " + " ".join(argv),
+                "prefix_tokens": parsed.prefix_tokens}
+    rc = layerwise_main(argv)
+    with open(os.path.join(out_dir, "layerwise", "bench_layerwise.json")) as f:
+        res = json.load(f)
+    return {"rc": rc, "summary": res["summary"], "commit": res["commit"], "target_ratio": 0.75}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -175,7 +192,8 @@ def main() -> int:
                "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
                "torch": torch.__version__, "steps": {}}
     dry = args.dry_run or not torch.cuda.is_available()
-    for name, fn in (("host_tier", step_host_tier), ("peer_relay_split", step_peer), ("verify_outputs", step_verify)):
+    for name, fn in (("host_tier", step_host_tier), ("peer_relay_split", step_peer), ("verify_outputs", step_verify),
+                     ("layerwise", step_layerwise)):
         t0 = time.time()
         try:
             r = fn(args.out, dry)

@@ -142,28 +142,36 @@ class FlexFlowRadixCache(RadixCache):
                     "on" if self._layers is not None else "off")
 
     def _layer_loader(self, params):
-        """A LayerLoader registered as the KV pool's layer-transfer counter, where layer-wise
-        load-back applies (config host_tier.layerwise_load; CPU pool, compiled kernels, private host
-        tier, no PP: a later stage's load follows stage 0's pins), else None."""
+        """A layer loader registered as the KV pool's layer-transfer counter, where layer-wise
+        load-back applies (config host_tier.layerwise_load; private host tier, no PP: a later stage's
+        load follows stage 0's pins), else None. CPU pool: `LayerLoader` (compiled kernels on a
+        worker thread); CUDA pool: `StreamLayerLoader` (side stream, one event per layer)."""
         conn = self.connector
         if not conn.config.host_tier.layerwise_load or self._pp is not None or _pd_mode():
             return None  # PD prefill may send a device prefix before the forward waits for its layers
         ex = conn.executor
         kv = self.token_to_kv_pool_allocator.get_kvcache()
-        if (ex.copier is None or not getattr(conn.host, "fused_hash", False)
+        if (not getattr(conn.host, "fused_hash", False)
                 or not hasattr(kv, "register_layer_transfer_counter")
                 or getattr(kv, "layer_transfer_counter", None) is not None):
             return None
-        from .layerwise import LayerLoader
-        loader = LayerLoader(ex.copier)
+        if ex.layout.device.type == "cuda":
+            from ..connector.copy_kernels import PageCopier
+            from .layerwise_cuda import StreamLayerLoader
+            loader = StreamLayerLoader(PageCopier(ex.layout), forward_stream=lambda: ex.wait_stream)
+        elif ex.copier is not None:
+            from .layerwise import LayerLoader
+            loader = LayerLoader(ex.copier)
+        else:
+            return None
         kv.register_layer_transfer_counter(loader)
         return loader
 
-    def _settle_layer_loads(self) -> None:
-        """Every queued layer-wise load complete (device KV is about to be read or reused outside
-        the forward), and their host pages unpinned."""
+    def _settle_layer_loads(self, wait: bool = True) -> None:
+        """Settle queued layer-wise loads (device KV is about to be read or reused outside the
+        forward) and unpin their host pages. `wait` False: only if none is left to wait for."""
         if self._layers is not None and self._layers.busy:
-            for pages in self._layers.finish():
+            for pages in self._layers.finish(wait):
                 self.connector.end_layerwise_load(pages)
 
     # ================================================================= lifecycle
@@ -292,7 +300,8 @@ class FlexFlowRadixCache(RadixCache):
                 ok = slots is not None and slots.numel() == n
             loaded = work = None
             if ok and self._layers is not None:  # verified and pinned now, copied during the forward
-                loaded, work = self.connector.begin_layerwise_load(hit.keys, slots)
+                loaded, work = self.connector.begin_layerwise_load(
+                    hit.keys, slots, copy_kernels=self._layers.needs_copy_kernels)
             if ok and loaded is None:
                 loaded = self.connector.load(hit.keys, slots, fresh_slots=True)
             own_ok = ok = loaded is not None and loaded.ok
@@ -461,7 +470,7 @@ class FlexFlowRadixCache(RadixCache):
         """Advance queued transfers and release the locks of acknowledged stores (rank-agreed)."""
         if self.connector is None or self.connector.closed:
             return
-        self._settle_layer_loads()  # after a forward: already complete, this only unpins
+        self._settle_layer_loads(wait=False)  # after a forward: complete, this only unpins; never waits
         self.connector.poll()
         self._drain()
         if self._prom is not None:

@@ -49,16 +49,19 @@ class LayerLoadError(RuntimeError):
 
 
 class _LoadJob:
-    __slots__ = ("seq", "host", "host_pages", "dev_pages", "pins", "failed_layers", "done")
+    __slots__ = ("seq", "host", "host_pages", "dev_pages", "pins", "failed_layers", "done", "extra")
 
     def __init__(self, seq: int, host: torch.Tensor, host_pages: np.ndarray, dev_pages: torch.Tensor, pins):
         self.seq, self.host, self.host_pages, self.dev_pages, self.pins = seq, host, host_pages, dev_pages, pins
         self.failed_layers: set = set()
         self.done = False
+        self.extra = None  # what a subclass's _prepare attaches (the CUDA loader: its stream fences)
 
 
 class LayerLoader:
     """Queue of layer-wise loads plus SGLang's layer-transfer-counter interface."""
+
+    needs_copy_kernels = True  # the worker copies with the compiled kernels (CPU pools)
 
     def __init__(self, copier: PageCopier, *, timeout_s: float = DEFAULT_TIMEOUT_S, threads: int = 1):
         self.copier = copier
@@ -90,6 +93,7 @@ class LayerLoader:
         with self._cv:  # _jobs is read by the forward's thread too (overlap scheduling)
             self._submitted += 1
             job = _LoadJob(self._submitted, host, hp, dev_pages, pins)
+            self._prepare(job)
             self._queue.append(job)
             self._jobs.append(job)
             self._cv.notify_all()
@@ -101,10 +105,13 @@ class LayerLoader:
     def busy(self) -> bool:
         return bool(self._jobs)
 
-    def finish(self) -> List[object]:
+    def finish(self, wait: bool = True) -> List[object]:
         """Wait until every queued load is complete (retrying failed layers here) and return the
-        pins of the loads it settles, oldest first, for the caller to release."""
+        pins of the loads it settles, oldest first, for the caller to release. `wait` False (the
+        scheduler's per-tick poll): settle only if nothing is left to wait for, else return []."""
         if not self._jobs:
+            return []
+        if not wait and (min(self._done) < self._submitted or self._failed):
             return []
         for layer in range(self.layer_num):
             self.wait_until(layer)
@@ -151,8 +158,19 @@ class LayerLoader:
     def reset(self) -> None:
         return None
 
+    # ----------------------------------------------------------------- subclass hooks
+    def _prepare(self, job: _LoadJob) -> None:
+        """Scheduler thread, at submit, under the loader's lock (CPU: nothing to prepare)."""
+
+    def _on_start(self) -> None:
+        """Worker thread, once before its first load."""
+
+    def _layer_copied(self, layer: int) -> None:
+        """Worker thread: every queued load's copy of `layer` is done (CPU) or enqueued (CUDA)."""
+
     # ----------------------------------------------------------------- worker thread
     def _run(self) -> None:
+        self._on_start()
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._queue or self._closed)
@@ -173,6 +191,7 @@ class LayerLoader:
                         with self._cv:
                             job.failed_layers.add(layer)
                             self._failed += 1
+                self._layer_copied(layer)
                 with self._cv:
                     self._done[layer] = last
                     self._cv.notify_all()

@@ -379,17 +379,19 @@ class FlexFlowConnector:
         self._hits_by_tier["host"] += nh
         return LoadResult(True, n, nh, deep)
 
-    def begin_layerwise_load(self, keys: Sequence[bytes], device_slots: torch.Tensor):
+    def begin_layerwise_load(self, keys: Sequence[bytes], device_slots: torch.Tensor, copy_kernels: bool = True):
         """First half of a layer-wise load (backend/layerwise.py): everything that can make the load a
         miss, done now: every page in the host tier, checksums verified (one compiled read), pages
         touched and pinned so that nothing overwrites them while the copy runs. Returns
         (result, work): work = (host words, host pages, device pages) to queue for the layer copy,
         then `end_layerwise_load(host pages)` once it is complete. (None, None): not eligible here
-        (a page in a deeper tier, a shared host tier, no compiled kernels): use `load`."""
+        (a page in a deeper tier, a shared host tier, no compiled kernels where the loader copies
+        with them: `copy_kernels`; the CUDA loader does not): use `load`."""
         n = len(keys)
         h = self.host
-        if n == 0 or not getattr(h, "fused_hash", False) or self.executor.copier is None \
-                or not self.executor.fused(h.words, False):
+        if n == 0 or not getattr(h, "fused_hash", False):
+            return None, None
+        if copy_kernels and (self.executor.copier is None or not self.executor.fused(h.words, False)):
             return None, None
         host_pages = h.pages_of(keys)
         if any(p is None for p in host_pages):

@@ -45,7 +45,8 @@ def test_gpu_script_dry_run(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.load(open(tmp_path / "gpu_bench.json"))
     steps = summary["steps"]
-    assert set(steps) == {"host_tier", "peer_relay_split", "verify_outputs"}
+    assert set(steps) == {"host_tier", "peer_relay_split", "verify_outputs", "layerwise"}
+    assert "error" not in steps["layerwise"] and steps["layerwise"]["prefix_tokens"] == 4096
     assert steps["host_tier"]["with_checksums"]["roundtrip_equal"]
     assert steps["peer_relay_split"]["relay_bytes_ok"]
     assert steps["peer_relay_split"]["selector_decision"]["chosen_type"] in ("NVLinkRelay", "SplitPath")

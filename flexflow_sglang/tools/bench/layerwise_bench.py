@@ -118,7 +118,7 @@ def plot(runs: List[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="flexflow bench layerwise", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/bench-layerwise")
     ap.add_argument("--model", default=None, help="model dir (default: the kv128k preset, built in --out)")
@@ -136,7 +136,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "of KV per token; SGLang's auto serves it in float16, 64 KB; auto for a model dir)")
     add_attention_backend_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     model, model_name = resolve_model(args.model, args.out, "kv128k")
     args.dtype = args.dtype or ("float32" if args.model is None else "auto")

@@ -25,6 +25,11 @@ read_only=True serves the pages already there and writes nothing (no temp files,
 mode changes, a shared lock when .lock exists). fsync=True makes put_many's return a durability
 promise (file + directory fsync before the rename is reported); without it a power loss may lose
 recently written pages, which the next start then drops as truncated: a miss, never a wrong page.
+
+Around this module: storage_dir.py creates, checks and locks the directory (both layouts);
+storage_files.py holds the page file's header and the batched per-file system calls (create,
+publish, open a read run; compiled in _file_batch, with Python twins); storage_slabs.py is the
+slab layout, a subclass of this tier.
 """
 from __future__ import annotations
 
@@ -43,11 +48,12 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ..errors import FlexFlowError
 from .base import (KVTier, as_pages, check_keys, fingerprint_hash, key_id, load_nixl, make_agent,
                    page_digests, payload_checksums, post_xfer, release_nixl, unique_agent_name, wait_xfers)
+from .storage_dir import StorageTierError, prepare_dir, prepare_dir_read_only  # noqa: F401 (re-exported)
 from .storage_files import (CREATE_OPEN, HDR, MAGIC, _NAME_RE, _open_regular, build_header,  # noqa: F401 (re-exported)
-                            create_files, first_headers, parse_header, publish_files, rows_to_write, write_pages)
+                            create_files, first_headers, open_leading, parse_header, publish_files, rows_to_write,
+                            write_pages)
 
 log = logging.getLogger("flexflow_sglang.tiers.storage")
 
@@ -59,10 +65,6 @@ except ImportError:  # pragma: no cover - depends on the build; the Python twin 
 _GIB = 1 << 30
 #: put_many claims, writes and publishes pages in chunks of this many bytes
 WRITE_CHUNK_BYTES = 16 << 20
-
-
-class StorageTierError(FlexFlowError):
-    """The storage directory cannot be used (owned by someone else, locked by another process)."""
 
 
 def _preallocate(fd: int, size: int) -> None:
@@ -161,56 +163,7 @@ class StorageTier(KVTier):
 
     # ------------------------------------------------------------------ setup
     def _prepare_dir(self) -> None:
-        self._lock_fd = -1
-        if self.read_only:
-            return self._prepare_dir_ro()
-        try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise StorageTierError(f"storage tier directory {self.path}: cannot create it ({e.strerror}); "
-                                   "for a read-only copy set storage_tier.read_only: true") from None
-        st = os.lstat(self.path)
-        if not _stat.S_ISDIR(st.st_mode):
-            raise StorageTierError(f"storage tier path {self.path} is not a directory")
-        if st.st_uid != os.getuid():
-            raise StorageTierError(f"storage tier directory {self.path} is owned by uid {st.st_uid}, "
-                                   f"not {os.getuid()}")
-        try:
-            if st.st_mode & 0o077:
-                log.warning("storage tier directory %s had mode %o; setting 0700", self.path, st.st_mode & 0o777)
-                os.chmod(self.path, 0o700)
-            self._lock_fd = os.open(os.path.join(self.path, ".lock"),
-                                    os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        except OSError as e:
-            raise StorageTierError(f"storage tier directory {self.path} is not writable ({e.strerror}); "
-                                   "to serve its pages without writing set storage_tier.read_only: true") from None
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock_fd)
-            raise StorageTierError(f"storage tier directory {self.path} is in use by another process")
-
-    def _prepare_dir_ro(self) -> None:
-        """Read-only: the directory must exist; nothing is created or changed. A shared lock on an
-        existing .lock keeps a writer from starting beside us (and us beside a writer)."""
-        try:
-            st = os.lstat(self.path)
-        except OSError as e:
-            raise StorageTierError(f"storage tier directory {self.path} (read-only): {e.strerror}") from None
-        if not _stat.S_ISDIR(st.st_mode):
-            raise StorageTierError(f"storage tier path {self.path} is not a directory")
-        if st.st_mode & 0o077:
-            log.warning("storage tier directory %s (read-only) has mode %o: other users can see its "
-                        "files; read-only mode does not change it", self.path, st.st_mode & 0o777)
-        fd, _ = _open_regular(os.path.join(self.path, ".lock"))
-        if fd is None:
-            return  # no lock file (e.g. a copy on read-only media): nobody writes here
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise StorageTierError(f"storage tier directory {self.path} is being written by another process")
-        self._lock_fd = fd
+        self._lock_fd = prepare_dir_read_only(self.path) if self.read_only else prepare_dir(self.path)
 
     def _init_backend(self, requested: str) -> None:
         if requested == "os":  # chosen: batched preadv/pwritev, no NIXL agent (faster from page cache)
@@ -717,56 +670,10 @@ class StorageTier(KVTier):
 
     def _open_leading(self, names: List[str], size: int) -> List[int]:
         """Open the leading page files of `names` that are regular files of ours of `size` bytes
-        (never following a link, never blocking). The first that is not ends the run and is
-        dealt with: vanished or swapped for a link -> dropped; a FIFO/dir/device/foreign file ->
-        skipped as odd, left alone; another size -> a size mismatch (intact) or dropped (truncated).
-        One compiled call with the GIL released for the whole batch when built (_file_batch)."""
-        if not names:
-            return []
-        n = len(names)
-        raw = b"".join(nm.encode().ljust(_fb.NAME_STRIDE, b"\0") for nm in names) if _fb is not None else b""
-        if _fb is None or len(raw) != n * _fb.NAME_STRIDE:  # (names are 35 bytes; never misalign the blob)
-            return self._open_leading_py(names, size)
-        blob = np.frombuffer(raw, dtype=np.uint8)
-        fds = np.zeros(n, dtype=np.int64)
-        status = np.zeros(n, dtype=np.int64)
-        st_size = np.zeros(n, dtype=np.int64)
-        try:
-            dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as e:  # the directory itself is gone: every page is a miss, never an error
-            log.warning("storage tier: cannot open %s: %s", self.path, e.strerror)
-            return []
-        try:
-            k = _fb.open_regular(dfd, blob, n, os.getuid(), size, fds, status, st_size)
-        finally:
-            os.close(dfd)
-        if k < n:
-            nm, code = names[k], int(status[k])
-            if code < 0:
-                why = f"open: {os.strerror(-code)}"
-            elif code == 2:
-                why = "not a regular file"
-            elif code == 3:
-                why = "not a regular file of ours"
-            else:
-                why = ""
-            self._end_of_run(nm, why, int(st_size[k]), size)
-        return [int(fd) for fd in fds[:k]]
-
-    def _open_leading_py(self, names: List[str], size: int) -> List[int]:
-        """The Python twin of _open_leading (no compiled helpers): same checks, same outcome."""
-        fds: List[int] = []
-        for nm in names:
-            fd, why = _open_regular(os.path.join(self.path, nm))
-            if fd is None:
-                self._end_of_run(nm, why, -1, size)
-                break
-            st_size = os.fstat(fd).st_size
-            if st_size != size:
-                os.close(fd)
-                self._end_of_run(nm, "", st_size, size)
-                break
-            fds.append(fd)
+        (storage_files.open_leading); the first that is not ends the run and is dealt with here."""
+        fds, end = open_leading(_fb, self.path, names, size)
+        if end is not None:
+            self._end_of_run(*end, size)
         return fds
 
     def _end_of_run(self, nm: str, why: str, st_size: int, size: int) -> None:

@@ -12,6 +12,7 @@ page).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat as _stat
@@ -21,6 +22,8 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 from .base import CHECKSUM_CRC32, CHECKSUM_HASH64, page_checksum
+
+log = logging.getLogger("flexflow_sglang.tiers.storage")
 
 MAGIC = b"FFKV"
 FORMAT_VERSION = 1
@@ -233,3 +236,58 @@ def rows_to_write(pages: np.ndarray, todo: List[int]) -> np.ndarray:
     if todo and todo[-1] - todo[0] == len(todo) - 1 and todo == list(range(todo[0], todo[-1] + 1)):
         return pages[todo[0]:todo[-1] + 1]
     return np.ascontiguousarray(pages[todo])
+
+
+def open_leading(fb, dir_path: str, names: List[str], size: int) -> Tuple[List[int], Optional[Tuple[str, str, int]]]:
+    """Open the leading page files of `names` that are regular files of ours of `size` bytes, never
+    following a link, never blocking. Returns (descriptors, end): `end` is None when every name
+    opened, else (name, why, st_size) of the first that did not: `why` says why it could not be
+    opened ("" when it opened but its size differs; st_size -1 when unknown). One compiled call with
+    the GIL released for the whole batch when `fb` (_file_batch) is built, else the Python twin."""
+    if not names:
+        return [], None
+    n = len(names)
+    raw = b"".join(nm.encode().ljust(fb.NAME_STRIDE, b"\0") for nm in names) if fb is not None else b""
+    if fb is None or len(raw) != n * fb.NAME_STRIDE:  # (names are 35 bytes; never misalign the blob)
+        return _open_leading_py(dir_path, names, size)
+    blob = np.frombuffer(raw, dtype=np.uint8)
+    fds = np.zeros(n, dtype=np.int64)
+    status = np.zeros(n, dtype=np.int64)
+    st_size = np.zeros(n, dtype=np.int64)
+    try:
+        dfd = os.open(dir_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:  # the directory itself is gone: every page is a miss, never an error
+        log.warning("storage tier: cannot open %s: %s", dir_path, e.strerror)
+        return [], None
+    try:
+        k = fb.open_regular(dfd, blob, n, os.getuid(), size, fds, status, st_size)
+    finally:
+        os.close(dfd)
+    end = None
+    if k < n:
+        code = int(status[k])
+        if code < 0:
+            why = f"open: {os.strerror(-code)}"
+        elif code == 2:
+            why = "not a regular file"
+        elif code == 3:
+            why = "not a regular file of ours"
+        else:
+            why = ""
+        end = (names[k], why, int(st_size[k]))
+    return [int(fd) for fd in fds[:k]], end
+
+
+def _open_leading_py(dir_path: str, names: List[str], size: int) -> Tuple[List[int], Optional[Tuple[str, str, int]]]:
+    """The Python twin of open_leading: same checks, same outcome."""
+    fds: List[int] = []
+    for nm in names:
+        fd, why = _open_regular(os.path.join(dir_path, nm))
+        if fd is None:
+            return fds, (nm, why, -1)
+        st_size = os.fstat(fd).st_size
+        if st_size != size:
+            os.close(fd)
+            return fds, (nm, "", st_size)
+        fds.append(fd)
+    return fds, None

@@ -174,6 +174,7 @@ class TransferEngine:
         self._held = 0            # bytes held by queued + running jobs
         self._running = 0
         self._running_wb = 0      # running write-back jobs (WRITE_BACK kinds)
+        self._queued_fg = 0       # queued jobs that are not write-backs (a request may wait on them)
         # write-backs may occupy every worker but one: that one is kept for fetch / prefetch
         self.writeback_limit = max(1, self.n_workers - 1)
         self._finished: List[Job] = []
@@ -314,6 +315,7 @@ class TransferEngine:
             self._held += job.nbytes
             job.seq = next(self._seq)
             heapq.heappush(self._heap, (PRIORITY.get(job.kind, 9), job.seq, job))
+            self._queued_fg += job.kind not in WRITE_BACK
             self.c["submitted"] += 1
             k["submitted"] += 1
             while len(self._threads) < self.n_workers:  # started on first use; idle ones wait on the condition
@@ -361,6 +363,7 @@ class TransferEngine:
         later, a second worker could see no write-back running and start one too, and the worker
         kept for fetches would be gone (seen as a prefetch waiting behind a write-back backlog)."""
         _, _, job = heapq.heappop(self._heap)
+        self._queued_fg -= job.kind not in WRITE_BACK
         self._running += 1
         self._running_wb += job.kind in WRITE_BACK
         return job
@@ -401,7 +404,7 @@ class TransferEngine:
     def _foreground_busy(self) -> bool:
         """A job a request waits on (not a write-back) is queued, or runs on another worker
         (under self._cv)."""
-        return (self._running - self._running_wb) > 0 or any(e[2].kind not in WRITE_BACK for e in self._heap)
+        return (self._running - self._running_wb) > 0 or self._queued_fg > 0
 
     def yield_to_foreground(self, max_s: float) -> float:
         """Called by a running write-back between two pieces: run the queued fetches and promotions
@@ -504,6 +507,7 @@ class TransferEngine:
                     keep.append(item)
             heapq.heapify(keep)
             self._heap = keep
+            self._queued_fg = sum(item[2].kind not in WRITE_BACK for item in keep)
         return n
 
     def drain(self, timeout: Optional[float] = None) -> bool:

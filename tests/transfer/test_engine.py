@@ -183,6 +183,37 @@ def test_a_write_back_pause_is_bounded(eng):
     assert eng.drain(5)
 
 
+def test_queued_foreground_count_follows_submits_pops_and_cancels(eng):
+    """yield_to_foreground asks `_foreground_busy` on every check: it reads a count kept at push, pop
+    and cancel instead of scanning the queue. The count must equal the scan at every step, and a
+    foreground job of a kind the priority table does not know (sorted after write-backs) counts too."""
+    gate = threading.Event()
+
+    def scan():
+        with eng._cv:
+            return sum(e[2].kind != "spill" and e[2].kind != "write_through" for e in eng._heap), eng._queued_fg
+    blockers = [Job("prefetch", lambda j: gate.wait(5)) for _ in range(eng.n_workers)]
+    for b in blockers:  # every worker busy: what comes next stays queued
+        assert eng.submit(b)
+    deadline = time.monotonic() + 5
+    while eng.stats()["running"] < eng.n_workers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for kind in ("write_through", "spill", "custom_copy", "fetch", "write_through"):
+        assert eng.submit(Job(kind, lambda j: None))
+        want, got = scan()
+        assert got == want
+    assert scan() == (2, 2)
+    assert eng.cancel_queued({"fetch"}) == 1
+    assert scan() == (1, 1)  # the unknown kind is still a foreground job behind two write-backs
+    with eng._cv:
+        assert eng._foreground_busy()
+    gate.set()
+    assert eng.drain(5)
+    assert scan() == (0, 0)
+    with eng._cv:
+        assert not eng._foreground_busy()
+
+
 def test_full_queue_drops_never_blocks(eng):
     gate = threading.Event()
     big = Job("write_through", lambda j: gate.wait(5), nbytes=900 << 10)

@@ -84,19 +84,23 @@ class StreamLayerLoader(LayerLoader):
             ready[-1].record(fwd)
         job.extra = _Fences(ready, dev, torch.from_numpy(job.host_pages))
 
+    @property
+    def busy(self) -> bool:
+        """Loads to settle, or copies not yet known to have landed (the per-tick poll keeps asking
+        until they have, so that forwards stop fencing on events long complete)."""
+        return bool(self._jobs) or self._cleared < self._submitted
+
     def finish(self, wait: bool = True) -> List[object]:
         """Settle every load whose layers are all enqueued: their pins back to the caller, and the
         caller's stream ordered after the copies (no CPU wait on the device)."""
-        if not self._jobs:
-            return []
-        out = super().finish(wait)
+        out = super().finish(wait) if self._jobs else []
         if self._jobs:  # not settled (wait False, copies still being enqueued)
             return out
         with self._cv:  # the event is recorded before its seq is published: read them as one pair
             done, last = self._done[-1], self._events[-1]
-        if last is not None:
+        if last is not None and self._cleared < done:
             if last.query():  # every copy through `done` has landed: later forwards skip the fences
-                self._cleared = max(self._cleared, done)
+                self._cleared = done
             else:
                 self.api.current_stream(self.device).wait_event(last)
         return out

@@ -163,10 +163,12 @@ def test_finish_orders_the_callers_stream_and_fast_paths_once_landed():
         assert loader.finish() == [[1, 2]]  # enqueued, not landed: the pins come back (staging holds the bytes)
         last = loader._events[-1].id
         assert ("wait", "current", last) in api.log and api.entries("synchronize") == []
-        assert loader._cleared == 0 and not loader.busy
+        assert loader._cleared == 0 and loader.busy  # settled, but not known to have landed
         n = len(api.log)
         loader.wait_until(0)  # not known landed yet: the reader still waits on the event
         assert api.log[n:] == [("wait", "current", loader._events[0].id)]
+        api.complete_all()
+        assert loader.finish(wait=False) == [] and loader._cleared == 1 and not loader.busy
         loader.submit(host, np.array([3]), torch.tensor([7]), pins=[3])
         for layer in range(2):
             loader.wait_until(layer)  # both layers enqueued ...
@@ -199,7 +201,7 @@ def test_poll_does_not_wait_for_a_layer_still_being_gathered(monkeypatch):
         loader.wait_until(0)
         assert loader.finish(wait=False) == [] and loader.busy  # layer 1 not enqueued: pins stay
         gate.set()
-        assert loader.finish(wait=True) == [[0]] and not loader.busy
+        assert loader.finish(wait=True) == [[0]] and not loader._jobs
     finally:
         gate.set()
         loader.close()
@@ -255,7 +257,10 @@ def test_host_hit_through_the_cache_is_byte_exact_and_unpins(envs, ps):
     assert b.loaded == 8 * ps and b.kv_ok
     assert env.tree.metrics()["layerwise_load_backs"] == 1 and loader.m["layerwise_pages"] == 8
     env.tree.poll()  # settles without waiting: every layer was enqueued before the reads above
-    assert env.connector.host.pinned_pages == 0 and not loader.busy
+    assert env.connector.host.pinned_pages == 0 and not loader._jobs
+    api.complete_all()
+    env.tree.poll()  # the copies have landed: the loader goes idle, forwards stop fencing
+    assert not loader.busy and loader._cleared == loader._submitted
     assert api.entries("synchronize") == [] and env.idle_ok()
 
 

@@ -14,7 +14,7 @@ from typing import List
 
 import numpy as np
 
-from .base import page_checksums
+from .base import page_digests
 from .wire import Frame, MsgType, WireError, int_list, parse_hostport, unpack_keys
 
 log = logging.getLogger("flexflow_sglang.tiers.server")
@@ -123,7 +123,7 @@ class RelayMixin:
                         self.pages[slots[j]] = out[j]
             elif keys:
                 err = "relay buffer full"
-            sums = page_checksums(self.pages, got, slots[:got]) if got else []
+            sums = page_digests(self.pages, got, slots[:got]) if got else []
             with self.lock:
                 for s in slots[got:]:
                     self._free(s)
@@ -169,7 +169,7 @@ class RelayMixin:
             if slots:
                 lease = self._new_lease("relay_put", slots, conn)
                 lease.keys = keys[:len(slots)]
-                lease.sums = [x & 0xFFFFFFFF for x in sums[:len(slots)]]
+                lease.sums = [x & 0xFFFFFFFFFFFFFFFF for x in sums[:len(slots)]]
                 lease.owner, lease.timeout_s = addr, self._relay_timeout(f.body)
                 lease_id = lease.id
             base, P = self.buf.ctypes.data, self.page_nbytes
@@ -177,7 +177,7 @@ class RelayMixin:
                                            "addrs": [base + s * P for s in slots]}, b"")
 
     def _relay_commit(self, f: Frame, conn: int):
-        """COMMIT of a relay_put lease: check the writer's CRCs, forward to the owner. None: the
+        """COMMIT of a relay_put lease: check the writer's page hashes, forward to the owner. None: the
         lease is not a relay lease of this connection (the plain COMMIT handles it)."""
         with self.lock:
             lease = self._lease_of(f.body.get("lease"), conn, ("relay_put",))
@@ -189,7 +189,7 @@ class RelayMixin:
         stored, err, fwd_s, cold = [0] * n, None, 0.0, False
         try:
             rows = [j for j in range(n) if ok[j]]
-            got = page_checksums(self.pages, len(rows), [lease.slots[j] for j in rows]) if rows else []
+            got = page_digests(self.pages, len(rows), [lease.slots[j] for j in rows]) if rows else []
             good = [j for j, g in zip(rows, got) if g == lease.sums[j]]
             self.c["verify_failures"] += len(rows) - len(good)
             pages = np.stack([self.pages[lease.slots[j]] for j in good]) if good else None

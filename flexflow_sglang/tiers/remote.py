@@ -6,7 +6,7 @@ leading counts. Every call is bounded (timeout_ms for the control round trip, an
 data); a peer that misses a deadline or misbehaves is a miss for the call and is skipped for
 retry_after_s. Transfers use this tier's registered staging buffer, never the caller's memory:
 a timed-out UCX transfer cannot be cancelled (measured), so it is parked with its buffer until it
-ends. Pages are checked (CRC32, or a keyed MAC in shared-secret mode) before they count. With a
+ends. Pages are checked (the 64-bit page hash, or a keyed MAC in shared-secret mode) before they count. With a
 selector, routing.py executes Direct / CrossNodeRelay / Split legs. docs/tiers.md has the details
 and the measurements behind each rule.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .base import (KVTier, as_pages, check_keys, lookups_must_not_wait, make_agent, page_checksums, post_xfer,
+from .base import (KVTier, as_pages, check_keys, lookups_must_not_wait, make_agent, page_digests, post_xfer,
                    rendezvous_rank, unique_agent_name, wait_xfers)
 from .remote_peers import Peer, StagingBuffer, _Pinned
 from .trust import MAC_LEN, FrameAuth, PageMac
@@ -565,7 +565,7 @@ class RemoteTier(KVTier):
         return pinned
 
     def _parse_pinned(self, f: Frame, n: int) -> Tuple[int, List[int], List[int], Optional[List[bytes]]]:
-        """(count, addresses, CRCs, page MACs or None) of a pinned LOOKUP_OK for n keys."""
+        """(count, addresses, page hashes, page MACs or None) of a pinned LOOKUP_OK for n keys."""
         c = self._count(f, n)
         addrs = int_list(f.body, "addrs")[:c]
         sums = int_list(f.body, "sums")[:c]
@@ -604,19 +604,19 @@ class RemoteTier(KVTier):
 
     def _verify_read(self, keys: List[bytes], stage: np.ndarray, plans: Dict[int, Tuple[List[int], List[int]]],
                      states: Dict[int, str], pinned: "_Pinned", k: int) -> Tuple[np.ndarray, Dict[int, List[int]]]:
-        """Check every page a peer delivered against its writer's CRC (or MAC, with a secret).
+        """Check every page a peer delivered against its writer's page hash (or MAC, with a secret).
         Returns (row ok, pid -> indices of its rows that failed); the first bad row ends the prefix."""
         okrow = np.zeros(k, dtype=bool)
         drops: Dict[int, List[int]] = {}
         for pid, (rows, _) in plans.items():
             if states.get(pid) != "DONE":
                 continue
-            if self._pagemac is not None:  # the MAC covers what the CRC would catch
+            if self._pagemac is not None:  # the MAC covers what the page hash would catch
                 mac = self._pagemac.macs([keys[r] for r in rows], stage, rows)
                 good_rows = [mac[j] == pinned.macs[pid][j] for j in range(len(rows))]
             else:
-                got = page_checksums(stage, len(rows), rows)
-                good_rows = [got[j] == (pinned.sums[pid][j] & 0xFFFFFFFF) for j in range(len(rows))]
+                got = page_digests(stage, len(rows), rows)
+                good_rows = [got[j] == pinned.sums[pid][j] for j in range(len(rows))]
             for j, r in enumerate(rows):
                 if good_rows[j]:
                     okrow[r] = True
@@ -675,7 +675,7 @@ class RemoteTier(KVTier):
 
     def _put_requests(self, keys: List[bytes], pages: np.ndarray, groups: Dict[int, List[int]],
                       pids: List[int]) -> Dict[int, Tuple[MsgType, dict, bytes]]:
-        sums = page_checksums(pages, len(keys))
+        sums = page_digests(pages, len(keys))
         reqs = {}
         for pid in pids:
             idx = groups[pid]

@@ -72,7 +72,7 @@ class Peer:
 @dataclass
 class _Pinned:
     """What the owners' pinned LOOKUP_OKs said, per pid: leading keys held, the lease that pins
-    them, their buffer addresses, writer CRCs and (shared-secret mode) page MACs."""
+    them, their buffer addresses, writer page hashes and (shared-secret mode) page MACs."""
     counts: Dict[int, int] = field(default_factory=dict)
     leases: Dict[int, int] = field(default_factory=dict)
     addrs: Dict[int, List[int]] = field(default_factory=dict)

@@ -9,7 +9,7 @@ decision's legs:
 * CrossNodeRelay: the first intermediate node of the leg that maps to a configured peer (an owner
   or a relay-only peer) is the relay. Get: RELAY_GET to the relay (it pulls from the owner into
   temporary slots), READ from the relay, RELEASE. Put: RELAY_PUT to the relay, WRITE to it,
-  COMMIT (the relay checks the CRCs and forwards to the owner before answering). A leg is cut into
+  COMMIT (the relay checks the page hashes and forwards to the owner before answering). A leg is cut into
   chunks of `relay_chunk_bytes` (the selector's relay model) and every chunk request is sent at
   once: the relay pulls chunk i+1 while the client reads chunk i (gets); puts keep one WRITE in
   flight per relay, so chunk i is forwarded while chunk i+1 is written.
@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 
 from ..topology.graph import PathType
-from .base import page_checksums
+from .base import page_digests
 from .wire import Frame, MsgType, WireError, int_list, pack_keys, read_frame, write_frame
 
 log = logging.getLogger("flexflow_sglang.tiers.remote")
@@ -253,7 +253,7 @@ class _RoutedBatch:
         self.legs: List[Leg] = []
         self.items: List[_Item] = []
         self.fallbacks: Dict[int, Leg] = {}    # id(relayed leg) -> the direct leg that took over rows of it
-        self.sums: Optional[List[int]] = None  # put: the pages' CRCs
+        self.sums: Optional[List[int]] = None  # put: the pages' 64-bit hashes
         self.st = None                         # the tier's StagingBuffer, taken in _prepare
         self.stage: Optional[np.ndarray] = None  # its first n rows: row i stages key i
         self.present = np.zeros(self.n, dtype=bool)  # put: held by the owner afterwards
@@ -310,7 +310,7 @@ class _RoutedBatch:
         self._connect_fallback_owners()
         self._cut_items()
         if self.op == "put":
-            self.sums = page_checksums(self.data, self.n)
+            self.sums = page_digests(self.data, self.n)
         self.st = t.acquire_stage(self.n * P)  # creates the NIXL agent on first use: before the clock starts
         self.stage = self.st.arr[:self.n * P].reshape(self.n, P)
         cold |= {pid for pid in t.peer_ids() if not t.has_metadata(pid)}  # loaded at the first transfer
@@ -503,7 +503,7 @@ class _RoutedBatch:
             it.state = _DONE
 
     def _take_lookup_ok(self, it: _Item, f: Frame) -> None:
-        """LOOKUP_OK / RELAY_GET_OK: the leading `count` rows are pinned at `addrs`, with their CRCs."""
+        """LOOKUP_OK / RELAY_GET_OK: the leading `count` rows are pinned at `addrs`, with their page hashes."""
         c = f.body.get("count")
         c = max(0, min(len(it.rows), c)) if isinstance(c, int) else 0
         it.addrs, it.sums = int_list(f.body, "addrs")[:c], int_list(f.body, "sums")[:c]
@@ -661,15 +661,15 @@ class _RoutedBatch:
         return good
 
     def _verify_staged(self) -> Tuple[np.ndarray, Dict[int, List[int]]]:
-        """(row verified, id(item) -> indices of its pages that failed their CRC)."""
+        """(row verified, id(item) -> indices of its pages that failed their page hash)."""
         okrow = np.zeros(self.n, dtype=bool)
         drops: Dict[int, List[int]] = {}
         for it in self.items:
             if not it.xfer_ok:
                 continue
-            got = page_checksums(self.stage, len(it.wrows), it.wrows)
+            got = page_digests(self.stage, len(it.wrows), it.wrows)
             for j, r in enumerate(it.wrows):
-                if got[j] == (it.sums[j] & 0xFFFFFFFF):
+                if got[j] == it.sums[j]:
                     okrow[r] = True
                 else:
                     self.t.c["corrupt_dropped"] += 1

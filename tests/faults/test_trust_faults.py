@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flexflow_sglang.errors import ConfigError
-from flexflow_sglang.tiers.base import page_checksum
+from flexflow_sglang.tiers.base import page_digests
 from flexflow_sglang.tiers.remote import RemoteTier
 from flexflow_sglang.tiers.trust import FrameAuth, load_secret, page_key_secret, read_secret_file
 from flexflow_sglang.tiers.wire import MsgType, read_frame, write_frame
@@ -121,7 +121,7 @@ def test_page_poisoning(inproc_server, mac):
         with srv.lock:
             slot = srv.index[ks[1]]
             srv.pages[slot] = 0x41
-            srv.slot_sum[slot] = page_checksum(srv.pages[slot])
+            srv.slot_sum[slot] = page_digests(srv.pages, 1, [slot])[0]
         out = np.zeros_like(pg)
         got = t.get_many_into(ks, out)
         if mac:

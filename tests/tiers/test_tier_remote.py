@@ -253,12 +253,12 @@ def test_corrupt_remote_page_is_dropped(spawn_server, clients, monkeypatch):
     srv = spawn_server()
     t = clients([srv.addr])
     ks, pg = keys_for(5), pages_for(5)
-    real = remote_mod.page_checksums
+    real = remote_mod.page_digests
     # the writer announces a wrong checksum for page 2 (what a torn or misdirected write looks like)
-    monkeypatch.setattr(remote_mod, "page_checksums",
+    monkeypatch.setattr(remote_mod, "page_digests",
                         lambda a, n, rows=None: [c ^ (1 if i == 2 else 0) for i, c in enumerate(real(a, n, rows))])
     assert t.put_many(ks, pg) == 5
-    monkeypatch.setattr(remote_mod, "page_checksums", real)
+    monkeypatch.setattr(remote_mod, "page_digests", real)
     out = np.zeros_like(pg)
     assert t.get_many_into(ks, out) == 2 and np.array_equal(out[:2], pg[:2])
     assert t.stats()["corrupt_dropped"] == 1

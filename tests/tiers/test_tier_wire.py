@@ -39,7 +39,8 @@ def _hdr(magic=MAGIC, ver=WIRE_VERSION, t=int(MsgType.PING), jlen=2, blen=0):
 @pytest.mark.parametrize("raw, msg", [
     (_hdr(magic=b"XXXX") + b"{}", "bad magic"),
     (_hdr(magic=b"\x80\x03}q") + b"{}", "bad magic"),                 # a pickle stream is not a frame
-    (_hdr(ver=2) + b"{}", "unsupported wire version"),
+    (_hdr(ver=1) + b"{}", "unsupported wire version"),                # version 1 carried CRC32 page sums
+    (_hdr(ver=3) + b"{}", "unsupported wire version"),
     (_hdr(ver=0) + b"{}", "unsupported wire version"),
     (_hdr(t=99) + b"{}", "unknown message type"),
     (_hdr(jlen=MAX_JSON + 1), "oversized"),

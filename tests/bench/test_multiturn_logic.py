@@ -85,6 +85,18 @@ def test_every_round_sends_the_whole_history_with_the_model_replies(fake_server,
     assert s["requests"] == 4 and 0.45 < s["cached_ratio"] <= 0.5
 
 
+def test_round_stats_counts_host_and_storage_hits_as_tier_tokens():
+    """A prefix prefetched from storage is reported by SGLang as "storage", not "host": the tiers'
+    share of the prompt is both together (it read 0 in later rounds when only "host" counted)."""
+    def rec(details):
+        return {"round": 1, "ttft_s": 0.1, "t_end_s": 1.0, "e2e_s": 0.5, "prompt_tokens": 100,
+                "meta": {"prompt_tokens": 100, "cached_tokens": sum(details.values()), "cached_tokens_details": details}}
+    s = round_stats([rec({"device": 10, "host": 20}), rec({"device": 0, "host": 0, "storage": 60}),
+                     {**rec({}), "meta": {"prompt_tokens": 100, "cached_tokens": 0}}])
+    assert s["tier_ratio"] == 80 / 300 and s["host_ratio"] == 20 / 300 and s["storage_ratio"] == 60 / 300
+    assert s["cached_ratio"] == 90 / 300
+
+
 def test_a_failed_request_stops_the_run_with_its_error(fake_server):
     _FakeSGLang.fail_after = 5
     turns = make_turns(clients=3, rounds=4, system_len=5, request_len=2, vocab=500, seed=1)

@@ -116,13 +116,17 @@ def round_stats(records: List[dict], rnd: Optional[int] = None) -> dict:
     ttft = [x["ttft_s"] * 1e3 for x in rs]
     prompt = sum(int(x["meta"].get("prompt_tokens", x["prompt_tokens"]) or 0) for x in rs)
     cached = sum(int(x["meta"].get("cached_tokens", 0) or 0) for x in rs)
+    # SGLang's per-request breakdown: {"device", "host"[, "storage"]}. A prefix prefetched from the
+    # storage tier and loaded back counts as "storage", so the deeper tiers' share is both together.
     details = [x["meta"].get("cached_tokens_details") or {} for x in rs]
     host = sum(int(d.get("host", 0) or 0) for d in details)
+    storage = sum(int(d.get("storage", 0) or 0) for d in details)
     span = max(x["t_end_s"] for x in rs) - min(x["t_end_s"] - x["e2e_s"] for x in rs)
     return {"requests": len(rs), "mean_ttft_ms": statistics.fmean(ttft), "median_ttft_ms": statistics.median(ttft),
             "p99_ttft_ms": nearest_rank(ttft, 0.99), "request_throughput": len(rs) / span if span > 0 else 0.0,
             "prompt_tokens": prompt, "cached_ratio": cached / prompt if prompt else 0.0,
-            "tier_ratio": host / prompt if prompt else 0.0}
+            "tier_ratio": (host + storage) / prompt if prompt else 0.0,
+            "host_ratio": host / prompt if prompt else 0.0, "storage_ratio": storage / prompt if prompt else 0.0}
 
 
 def summarize(results: List[dict]) -> dict:

@@ -41,12 +41,7 @@ def prepare_dir(path: str) -> int:
     except OSError as e:
         raise StorageTierError(f"storage tier directory {path} is not writable ({e.strerror}); "
                                "to serve its pages without writing set storage_tier.read_only: true") from None
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lock_fd)
-        raise StorageTierError(f"storage tier directory {path} is in use by another process") from None
-    return lock_fd
+    return _locked(lock_fd, fcntl.LOCK_EX, f"storage tier directory {path} is in use by another process")
 
 
 def prepare_dir_read_only(path: str) -> int:
@@ -65,9 +60,14 @@ def prepare_dir_read_only(path: str) -> int:
     fd, _ = _open_regular(os.path.join(path, ".lock"))
     if fd is None:
         return -1  # nobody writes here
+    return _locked(fd, fcntl.LOCK_SH, f"storage tier directory {path} is being written by another process")
+
+
+def _locked(fd: int, mode: int, busy: str) -> int:
+    """`fd` under flock `mode`, without waiting; closed and StorageTierError(busy) if another holds it."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise StorageTierError(f"storage tier directory {path} is being written by another process") from None
+        raise StorageTierError(busy) from None
     return fd

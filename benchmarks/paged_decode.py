@@ -14,42 +14,32 @@ over a pool 4x the batch's tokens, as in a server that has run a while. Writes p
 paged_decode.png under --out.
 """
 import argparse
-import json
-import os
-import statistics
-import time
 
 import torch
 from tqdm import tqdm
 
+from _attention_bench import (add_shape_args, alternating_medians, new_record, random_pool, require_kernel,
+                              scattered_slots, write_record)
 from flexflow_sglang.backend import prefix_sdpa
-from flexflow_sglang.tools.bench import measured_commit
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    add_shape_args(ap, "out/paged_decode")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--context", type=int, default=1300)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", default="2,1")
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--out", default="out/paged_decode")
     a = ap.parse_args()
-    if prefix_sdpa._pa is None:
-        raise SystemExit("paged_decode: flexflow_sglang._paged_attention is not built (pip install -e .)")
+    require_kernel("paged_decode")
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
     dt = getattr(torch, a.dtype)
     g = torch.Generator().manual_seed(0)
     pool = 4 * a.batch * a.context
-    K = [torch.randn(pool, a.kv_heads, a.head_dim, generator=g).to(dt) for _ in range(a.layers)]
-    V = [torch.randn(pool, a.kv_heads, a.head_dim, generator=g).to(dt) for _ in range(a.layers)]
+    K, V = random_pool(a, pool, g)
     r2t = torch.zeros(a.batch + 1, a.context, dtype=torch.int32)
     for b in range(a.batch):
-        r2t[b + 1] = (torch.randperm(pool - 1, generator=g)[:a.context] + 1).to(torch.int32)
+        r2t[b + 1] = scattered_slots(pool, a.context, g)
     rows = torch.arange(1, a.batch + 1)
     lens = torch.full((a.batch,), a.context, dtype=torch.int64)
     q = torch.randn(a.batch, a.heads, a.head_dim, generator=g).to(dt)
@@ -69,23 +59,12 @@ def main():
                 t = r2t[b + 1, :a.context]
                 K[layer][t], V[layer][t]
 
-    result = {"command": "python benchmarks/paged_decode.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()),
-        "commit": measured_commit(), "kv_bytes_per_token": 2 * a.layers * a.kv_heads * a.head_dim * K[0].element_size(),
-        "runs": []}
+    result = new_record("paged_decode", a, K)
     threads = [int(x) for x in a.threads.split(",") if x.strip()]
     for th in tqdm(threads, desc="paged decode", unit="thread count"):
         torch.set_num_threads(th)
-        times = {"torch_native": [], "paged": [], "gather_only": []}
-        step(native, out_n), step(ours, out_p), gather_only()  # warm-up
-        for r in range(a.repeats):
-            order = [("torch_native", lambda: step(native, out_n)), ("paged", lambda: step(ours, out_p)),
-                     ("gather_only", gather_only)]
-            for name, fn in (order if r % 2 == 0 else order[::-1]):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        med = alternating_medians([("torch_native", lambda: step(native, out_n)), ("paged", lambda: step(ours, out_p)),
+                                   ("gather_only", gather_only)], a.repeats)
         result["runs"].append({"threads": th, "median_ms": {k: round(v, 2) for k, v in med.items()},
                                "paged_over_native": round(med["paged"] / med["torch_native"], 3),
                                "gather_share_of_native": round(med["gather_only"] / med["torch_native"], 3),
@@ -93,14 +72,8 @@ def main():
         print(f"threads {th}: torch_native {med['torch_native']:.1f} ms, paged {med['paged']:.1f} ms "
               f"({med['paged'] / med['torch_native']:.2f}x), gather alone {med['gather_only']:.1f} ms; "
               f"max |diff| {result['runs'][-1]['max_abs_diff']:.2e}")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "paged_decode.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5.5, 3.2))
+
+    def plot(ax):
         names = ["torch_native", "gather_only", "paged"]
         w = 0.8 / len(result["runs"])
         for i, run in enumerate(result["runs"]):
@@ -110,11 +83,7 @@ def main():
         ax.set_ylabel("ms per decode step (all layers)")
         ax.set_title(f"decode attention, {a.batch} x {a.context} tokens, {a.dtype}", fontsize=9)
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(a.out, "paged_decode.png"), dpi=120)
-    except Exception as e:  # noqa: BLE001 - the JSON is the record
-        print(f"paged_decode: plot failed: {e}")
-    print(f"wrote {os.path.join(a.out, 'paged_decode.json')}")
+    write_record("paged_decode", a.out, result, plot)
 
 
 if __name__ == "__main__":

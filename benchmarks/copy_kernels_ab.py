@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flexflow_sglang.connector.copy_kernels import PageCopier
+from flexflow_sglang.connector.layout import KVLayout
+
 ROOT = Path(__file__).resolve().parents[1]
 PYX = "csrc/flexflow_sglang/_copy_kernels.pyx"
 
@@ -56,12 +59,13 @@ def _one_page_size(mods: dict, page: int, rounds: int, tokens: int, threads: int
     layers, heads, dim, es = 16, 8, 128, 4
     npg = tokens // page
     dev_pages = 3 * npg + 1
-    seg = page * heads * dim * es
     bufs = [torch.empty((dev_pages * page, heads, dim), dtype=torch.float32).normal_() for _ in range(2 * layers)]
-    seg_ptr = np.array([b.data_ptr() for b in bufs], dtype=np.uint64)
-    seg_stride = np.full(len(bufs), seg, dtype=np.int64)
-    seg_nbytes = np.full(len(bufs), seg, dtype=np.int64)
-    row = int(seg_nbytes.sum())
+    # the segment tables exactly as the connector builds them for these buffers (KVLayout -> PageCopier)
+    layout = KVLayout.from_buffers([(bufs[2 * i], bufs[2 * i + 1]) for i in range(layers)], page)
+    copier = PageCopier(layout)
+    seg_ptr, seg_stride, seg_nbytes = copier._seg_ptr, copier._seg_stride, copier._seg_nbytes
+    row = layout.page_nbytes
+    assert row == 2 * layers * page * heads * dim * es
     host = torch.zeros((npg, row), dtype=torch.uint8)
     a = torch.empty(npg * row, dtype=torch.uint8).random_(0, 255)
     b = torch.zeros_like(a)

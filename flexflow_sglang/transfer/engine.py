@@ -168,6 +168,7 @@ class TransferEngine:
         # bytes and seconds per chosen path type (moves record "<type>", tier I/O "tier:<type>")
         self.by_type: Dict[str, Dict[str, float]] = {}
         self._cv = threading.Condition()
+        self._cpu_tls = threading.local()  # per worker: CPU of jobs run inside the running job (run_urgent)
         self._select_lock = threading.Lock()
         self._heap: List[tuple] = []
         self._seq = itertools.count()
@@ -447,17 +448,29 @@ class TransferEngine:
     def _execute(self, job: Job) -> None:
         job.state = JobState.RUNNING
         job.t_start = time.monotonic()
-        cpu0 = time.thread_time()  # this thread's CPU: what the job took from the forward's cores
+        # this thread's CPU: what the job took from the forward's cores. Jobs it runs itself between
+        # its steps (run_urgent: a write-back runs the queued promotions) count as their own kind,
+        # not twice: their CPU is taken out of this job's.
+        tls = self._cpu_tls
+        outer_nested = getattr(tls, "nested", 0.0)
+        tls.nested = 0.0
+        cpu0 = time.thread_time()
         try:
             res = job.run(job)
         except Exception as e:  # noqa: BLE001 - a failed job is reported, never raised into a worker
             logger.warning("flexflow transfer: %s job failed: %r", job.kind, e)
             logger.debug("flexflow transfer: %s job traceback", job.kind, exc_info=True)
-            job.cpu_s = time.thread_time() - cpu0
+            self._settle_cpu(job, cpu0, outer_nested)
             job._finish(JobState.FAILED, None, repr(e))
         else:
-            job.cpu_s = time.thread_time() - cpu0
+            self._settle_cpu(job, cpu0, outer_nested)
             job._finish(JobState.DONE, res)
+
+    def _settle_cpu(self, job: Job, cpu0: float, outer_nested: float) -> None:
+        total = time.thread_time() - cpu0
+        tls = self._cpu_tls
+        job.cpu_s = max(0.0, total - tls.nested)
+        tls.nested = outer_nested + total  # a job that ran inside another: its parent subtracts all of it
 
     def deliver(self, job: Job, result: Any) -> None:
         """A running job hands the owner a part of its work early: `job` (created for it, never

@@ -214,6 +214,38 @@ def test_queued_foreground_count_follows_submits_pops_and_cancels(eng):
         assert not eng._foreground_busy()
 
 
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_cpu_of_jobs_run_between_a_write_backs_pieces_is_counted_once(eng):
+    """run_urgent runs queued fetches on the write-back's own thread: their CPU belongs to the
+    fetch's kind, not to the write-back's as well (the write-through CPU of a serving run looked
+    several times what its writes cost)."""
+    gate, started = threading.Event(), threading.Event()
+    blockers = [Job("prefetch", lambda j: (started.set(), gate.wait(10))) for _ in range(eng.n_workers - 1)]
+    for b in blockers:  # every other worker busy: only run_urgent can take the fetch
+        assert eng.submit(b)
+    assert not blockers or started.wait(5)
+    fetch = Job("fetch", lambda j: _burn(0.2))
+
+    def write_back(j):
+        assert eng.submit(fetch)
+        assert eng.run_urgent("prefetch") == 1  # the fetch ran here, inside this job
+        _burn(0.05)
+    wb = Job("write_through", write_back)
+    assert eng.submit(wb) and wb.wait(10) and fetch.wait(1)
+    gate.set()
+    assert eng.drain(5)
+    assert fetch.cpu_s >= 0.19
+    assert 0.04 <= wb.cpu_s < 0.15, (wb.cpu_s, fetch.cpu_s)
+    eng.poll()  # the per-kind counters are settled when the owner polls the finished jobs
+    by = eng.stats()["by_kind"]
+    assert by["write_through"]["cpu_ms"] < 150 <= by["fetch"]["cpu_ms"]
+
+
 def test_full_queue_drops_never_blocks(eng):
     gate = threading.Event()
     big = Job("write_through", lambda j: gate.wait(5), nbytes=900 << 10)
